@@ -42,6 +42,10 @@ class PrecisionConfig(StrictConfig):
             raise ValueError("precision.first_last_layers_high_precision must be >= 0")
         if self.recipe == "delayed" and self.first_last_layers_high_precision:
             raise ValueError("precision.first_last_layers_high_precision is not supported with recipe=delayed (as in megatron-core)")
+        if self.fp8_params and self.recipe == "none":
+            raise ValueError("precision.fp8_params needs an FP8 recipe (recipe is 'none')")
+        if self.margin < 0:
+            raise ValueError("precision.margin must be >= 0")
         if self.amax_history_len < 1:
             raise ValueError("precision.amax_history_len must be >= 1")
         return self

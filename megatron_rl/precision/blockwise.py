@@ -1,0 +1,84 @@
+"""Rollout-side FP8 quantizers in the DeepSeek/SGLang checkpoint convention (divide by scale_inv).
+
+``scale_inv = max(amax, 1e-10) / 448`` per block in fp32 (``ue8m0``: rounded UP to the next
+power of two), ``q = clamp(x / scale_inv, -448, 448) -> float8_e4m3fn`` (round-to-nearest-even),
+dequantized as ``q * scale_inv``. The trainer quantizes exported weights with exactly these
+functions and the CPU rollout server reads the same bits back, so both sides hold identical
+FP8 weights (docs/FACTS.md: quantize trainer and rollout copies from identical bits).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from megatron_rl.precision.numerics import E4M3_MAX, _expand_blocks, block_amax
+
+ScaleFmt = Literal["fp32", "ue8m0"]
+
+AMAX_FLOOR = 1e-10
+"""Floor of a block's amax, so all-zero blocks get a finite scale_inv."""
+
+
+def round_up_pow2(s: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2 s) for positive finite fp32 s, exact (frexp, no log rounding)."""
+    mant, exp = torch.frexp(s.float())
+    exact = mant == 0.5
+    return torch.ldexp(torch.ones_like(s, dtype=torch.float32), torch.where(exact, exp - 1, exp))
+
+
+def _scale_inv(amax: torch.Tensor, scale_fmt: ScaleFmt) -> torch.Tensor:
+    """Per-block scale_inv from per-block amax."""
+    s = torch.clamp(amax.float(), min=AMAX_FLOOR) / torch.tensor(E4M3_MAX, dtype=torch.float32)
+    if scale_fmt == "ue8m0":
+        s = round_up_pow2(s)
+    elif scale_fmt != "fp32":
+        raise ValueError(f"scale_fmt must be 'fp32' or 'ue8m0', got {scale_fmt!r}")
+    return s
+
+
+def _quantize_2d(x2d: torch.Tensor, block: tuple[int, int], scale_fmt: ScaleFmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and per-block scale_inv of a 2-D tensor."""
+    rows, cols = x2d.shape
+    s = _scale_inv(block_amax(x2d, block), scale_fmt)
+    q = torch.clamp(x2d.float() / _expand_blocks(s, block, rows, cols), -E4M3_MAX, E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), s
+
+
+def quantize_blockwise(w: torch.Tensor, block: tuple[int, int] = (128, 128), scale_fmt: ScaleFmt = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight [out, in], fp32 scale_inv [ceil(out/b0), ceil(in/b1)]) of a 2-D weight."""
+    if w.dim() != 2:
+        raise ValueError(f"quantize_blockwise expects a 2-D weight, got shape {tuple(w.shape)}")
+    return _quantize_2d(w, tuple(block), scale_fmt)
+
+
+def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale_inv (broadcast over blocks, fp32 product) in dtype."""
+    rows, cols = q.shape
+    return (q.float() * _expand_blocks(scale_inv.float(), tuple(block), rows, cols)).to(dtype)
+
+
+def quantize_per_channel(w: torch.Tensor, scale_fmt: ScaleFmt = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """("fp8-channel") float8_e4m3fn weight and fp32 scale_inv [out, 1], one scale per output row."""
+    if w.dim() != 2:
+        raise ValueError(f"quantize_per_channel expects a 2-D weight, got shape {tuple(w.shape)}")
+    return _quantize_2d(w, (1, w.shape[1]), scale_fmt)
+
+
+def quantize_activation_groups(x: torch.Tensor, group: int = 128, scale_fmt: ScaleFmt = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token 1 x group activation quantization (SGLang's block-FP8 activations).
+
+    Returns (q with x's shape, scale_inv [..., ceil(hidden/group)]).
+    """
+    x2d = x.reshape(-1, x.shape[-1])
+    q, s = _quantize_2d(x2d, (1, group), scale_fmt)
+    return q.reshape(x.shape), s.reshape(*x.shape[:-1], s.shape[-1])
+
+
+def fake_quantize_activation_groups(x: torch.Tensor, group: int = 128, scale_fmt: ScaleFmt = "fp32") -> torch.Tensor:
+    """dequant(quant(x)) for per-token 1 x group groups, in x's dtype."""
+    q, s = quantize_activation_groups(x, group, scale_fmt)
+    x2d = q.reshape(-1, x.shape[-1])
+    out = dequantize_blockwise(x2d, s.reshape(x2d.shape[0], -1), (1, group))
+    return out.reshape(x.shape).to(x.dtype)

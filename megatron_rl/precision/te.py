@@ -1,0 +1,128 @@
+"""GPU mapping of the FP8 policy onto megatron-core's TransformerConfig and Transformer Engine.
+
+Transformer Engine is imported lazily (it exists only on GPU machines).
+
+FP32 block scales on Hopper: TE's Float8BlockScaling fixes its per-operand QParams
+(power_2_scale) when the class is *defined*, from NVTE_FP8_BLOCK_SCALING_FP32_SCALES, and
+megatron builds its own Float8BlockScaling(fp8_format=...) per layer. The only faithful way to
+get FP32 scales (``power_of_two_scales=False``, this project's default) is therefore for the
+LAUNCHER to export ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` before Python starts: use
+``launcher_env(cfg)``. Nothing in this package sets environment variables;
+``check_te_environment(cfg)`` fails fast when the imported TE disagrees with the policy.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any, Optional
+
+import torch
+
+from megatron_rl.config.precision import PrecisionConfig
+
+FP32_BLOCK_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+"""Environment variable TE reads at import time to use FP32 (not power-of-two) block scales."""
+
+
+def te_available() -> bool:
+    """True when CUDA is available and transformer_engine is importable."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config_kwargs(cfg: PrecisionConfig) -> dict[str, Any]:
+    """megatron-core 0.16 TransformerConfig fields that express the policy (fp8=None when recipe is none)."""
+    if cfg.recipe == "none":
+        return {"fp8": None, "fp8_param": False, "first_last_layers_bf16": False}
+    k = cfg.first_last_layers_high_precision
+    return {
+        "fp8": cfg.fp8_format,
+        "fp8_recipe": cfg.recipe,
+        "fp8_margin": cfg.margin,
+        "fp8_amax_history_len": cfg.amax_history_len,
+        "fp8_amax_compute_algo": cfg.amax_compute_algo,
+        "fp8_param": cfg.fp8_params,
+        "first_last_layers_bf16": k > 0,
+        "num_layers_at_start_in_bf16": k,
+        "num_layers_at_end_in_bf16": k,
+    }
+
+
+def launcher_env(cfg: PrecisionConfig) -> dict[str, str]:
+    """Environment variables the launcher must export before starting learner processes."""
+    if cfg.recipe == "blockwise" and not cfg.power_of_two_scales:
+        return {FP32_BLOCK_SCALES_ENV: "1"}
+    return {}
+
+
+def check_te_environment(cfg: PrecisionConfig) -> None:
+    """Raise if the imported TE's block-scale mode contradicts cfg (the env var was not exported in time)."""
+    if cfg.recipe != "blockwise":
+        return
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    te_pow2 = bool(Float8BlockScaling.fp8_quant_fwd_inp.power_2_scale)
+    if te_pow2 != cfg.power_of_two_scales:
+        want = "1" if not cfg.power_of_two_scales else "0 (or unset)"
+        raise RuntimeError(
+            f"precision.power_of_two_scales={cfg.power_of_two_scales} but Transformer Engine was imported with "
+            f"power-of-two block scales={te_pow2}; the launcher must export {FP32_BLOCK_SCALES_ENV}={want} "
+            "before Python starts (see megatron_rl.precision.te.launcher_env)")
+
+
+def te_recipe(cfg: PrecisionConfig):
+    """The TE recipe object of the policy (None for recipe none), built as megatron's get_fp8_recipe does."""
+    if cfg.recipe == "none":
+        return None
+    from transformer_engine.common import recipe as te
+
+    fmt = te.Format.E4M3 if cfg.fp8_format == "e4m3" else te.Format.HYBRID
+    if cfg.recipe == "delayed":
+        return te.DelayedScaling(margin=cfg.margin, fp8_format=fmt, amax_history_len=cfg.amax_history_len,
+                                 amax_compute_algo=cfg.amax_compute_algo)
+    if cfg.recipe == "tensorwise":
+        return te.Float8CurrentScaling(fp8_format=fmt)
+    if cfg.recipe == "blockwise":
+        check_te_environment(cfg)
+        return te.Float8BlockScaling(fp8_format=fmt)
+    if cfg.recipe == "mxfp8":
+        return te.MXFP8BlockScaling(fp8_format=fmt)
+    raise ValueError(f"unknown FP8 recipe {cfg.recipe!r}")
+
+
+def _amax_group():
+    """megatron's amax reduction group (TP x CP x DP) when model parallel is initialized."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_amax_reduction_group(with_context_parallel=True)
+    return None
+
+
+def te_autocast(enabled: bool, recipe=None, group=None):
+    """TE's autocast (TE >= 2.9) or fp8_autocast (older TE) with the same meaning."""
+    import transformer_engine.pytorch as tep
+
+    if hasattr(tep, "autocast"):
+        return tep.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+    return tep.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
+
+
+def autocast_context(cfg: PrecisionConfig, group: Optional[object] = None):
+    """TE autocast with the policy's recipe and megatron's amax group (nullcontext when recipe is none)."""
+    if cfg.recipe == "none":
+        return contextlib.nullcontext()
+    return te_autocast(True, te_recipe(cfg), group if group is not None else _amax_group())
+
+
+@contextlib.contextmanager
+def te_disabled(model_config: Optional[Any] = None):
+    """Run with TE FP8 off: megatron's blocks enter get_fp8_context per layer from config.fp8, so it is cleared too."""
+    saved = getattr(model_config, "fp8", None) if model_config is not None else None
+    if model_config is not None:
+        model_config.fp8 = None
+    try:
+        with te_autocast(False):
+            yield
+    finally:
+        if model_config is not None:
+            model_config.fp8 = saved
