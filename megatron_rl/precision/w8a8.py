@@ -1,0 +1,111 @@
+"""W8A8 emulation of an SGLang block-FP8 server for HF transformers models on CPU.
+
+Weights come from an FP8 checkpoint's 128x128 blocks (held as the FP8 bits + scale_inv, used
+dequantized); activations are fake-quantized per token in 1x128 groups with dynamic scales in
+the DeepSeek convention (x / scale_inv, scale_inv = max(amax, 1e-10) / 448); the GEMM
+accumulates in fp32. The embedded rollout server plugs `load_fp8_checkpoint_into` in as its
+model loader so it serves exactly the bits the trainer exported.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from megatron_rl.precision.blockwise import ScaleFmt, dequantize_blockwise, fake_quantize_activation_groups
+from megatron_rl.precision.hf_fp8 import SCALE_SUFFIX, load_fp8_checkpoint, weight_block_size
+
+
+class W8A8Linear(torch.nn.Module):
+    """Linear with a block-FP8 weight and per-token 1 x group FP8 activations (emulated)."""
+
+    def __init__(self, weight_q: torch.Tensor, scale_inv: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 block: tuple[int, int] = (128, 128), act_group: int = 128, act_scale_fmt: ScaleFmt = "fp32"):
+        """Hold the FP8 weight bits and scales; bias stays high precision."""
+        super().__init__()
+        self.block = tuple(block)
+        self.act_group = int(act_group)
+        self.act_scale_fmt = act_scale_fmt
+        self.out_features, self.in_features = weight_q.shape
+        self.register_buffer("weight_q", weight_q.detach().clone(), persistent=False)
+        self.register_buffer("weight_scale_inv", scale_inv.detach().float().clone(), persistent=False)
+        self.register_buffer("weight_dq", self._dequant(), persistent=False)
+        self.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    def _dequant(self) -> torch.Tensor:
+        """fp32 q * scale_inv of the held weight."""
+        return dequantize_blockwise(self.weight_q, self.weight_scale_inv, self.block, torch.float32)
+
+    def set_quantized(self, weight_q: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        """Replace the weight with new FP8 bits and scales (weight sync)."""
+        if tuple(weight_q.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {tuple(weight_q.shape)} != {(self.out_features, self.in_features)}")
+        self.weight_q.copy_(weight_q)
+        self.weight_scale_inv.copy_(scale_inv.float())
+        self.weight_dq.copy_(self._dequant())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y = fq(x) @ dequant(W)^T (+ b), fp32 accumulate, in x's dtype."""
+        xq = fake_quantize_activation_groups(x.float(), self.act_group, self.act_scale_fmt)
+        y = xq @ self.weight_dq.t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        """Shapes and block sizes."""
+        return f"in={self.in_features}, out={self.out_features}, block={self.block}, act_group={self.act_group}"
+
+
+def _set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """Replace the submodule at dotted path `name`."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def apply_fp8_state_dict(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], block: tuple[int, int] = (128, 128),
+                         act_group: int = 128) -> list[str]:
+    """Load raw FP8-checkpoint tensors into model: quantized Linears become (or update) W8A8Linear, the rest load as is.
+
+    Returns the names of the W8A8 modules. Raises on missing or unexpected high-precision keys.
+    """
+    converted = []
+    for name, module in list(model.named_modules()):
+        scale = tensors.get(f"{name}.weight{SCALE_SUFFIX}")
+        if scale is None:
+            continue
+        q = tensors[f"{name}.weight"]
+        if isinstance(module, W8A8Linear):
+            module.set_quantized(q, scale)
+        elif isinstance(module, torch.nn.Linear):
+            bias = tensors.get(f"{name}.bias", module.bias)
+            new = W8A8Linear(q, scale, bias, block, act_group).to(module.weight.device)
+            _set_submodule(model, name, new)
+        else:
+            raise TypeError(f"{name} has FP8 weights but is a {type(module).__name__}, not nn.Linear")
+        converted.append(name)
+    quantized = {f"{n}.weight" for n in converted} | {f"{n}.weight{SCALE_SUFFIX}" for n in converted} | {f"{n}.bias" for n in converted}
+    rest = {k: v for k, v in tensors.items() if k not in quantized}
+    missing, unexpected = model.load_state_dict(rest, strict=False)
+    tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    missing = [m for m in missing if m not in tied and not any(m.startswith(f"{n}.") for n in converted)]
+    if missing or unexpected:
+        raise KeyError(f"FP8 checkpoint does not match the model: missing={missing[:8]}, unexpected={list(unexpected)[:8]}")
+    return converted
+
+
+def load_fp8_checkpoint_into(model: torch.nn.Module, ckpt_dir: str | Path, act_group: int = 128) -> torch.nn.Module:
+    """Load an HF FP8 checkpoint directory into an HF transformers model, converting its quantized Linears to W8A8."""
+    tensors, config = load_fp8_checkpoint(ckpt_dir)
+    block = weight_block_size(config)
+    if block is None:
+        raise ValueError(f"{ckpt_dir} is not a block-FP8 checkpoint (no fp8 quantization_config.weight_block_size)")
+    apply_fp8_state_dict(model, tensors, block, act_group)
+    return model
+
+
+def w8a8_weights(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module name: (FP8 weight bits, scale_inv)} of every W8A8Linear in model."""
+    return {n: (m.weight_q, m.weight_scale_inv) for n, m in model.named_modules() if isinstance(m, W8A8Linear)}
