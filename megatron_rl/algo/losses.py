@@ -1,0 +1,111 @@
+"""Per-token policy-gradient losses: PPO clip with ratio bounds [L, H], dual-clip, CISPO.
+
+Bounds are 0-d tensors (never Python floats) so a compiled loss does not recompile when a
+calibrated bound moves. A clipped token's loss is built from the bound alone, so its gradient
+is exactly zero (`torch.where`, not max/min, which would split the gradient at ties).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megatron_rl.algo.registry import Registry
+
+
+@dataclass
+class PolicyLossOutput:
+    """Per-token loss plus the detached quantities the metrics need."""
+
+    loss: torch.Tensor
+    """[B, S] per-token loss (not masked, not aggregated)."""
+    ratio: torch.Tensor
+    """[B, S] detached importance ratio pi / pi_old."""
+    clipped_lower: torch.Tensor
+    """[B, S] bool: the lower bound L is active for this token."""
+    clipped_upper: torch.Tensor
+    """[B, S] bool: the upper bound H is active for this token."""
+    clipped_dual: torch.Tensor
+    """[B, S] bool: the dual-clip cap is active (always False outside dual_clip)."""
+
+
+LossFn = Callable[..., PolicyLossOutput]
+POLICY_LOSSES: Registry[LossFn] = Registry("policy loss")
+
+
+def log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, clamp: float = 20.0) -> torch.Tensor:
+    """log(pi / pi_old), clamped to +-clamp so exp cannot overflow."""
+    return (logprobs - old_logprobs).clamp(-clamp, clamp)
+
+
+def _ppo_parts(logprobs, old_logprobs, advantages, lower, upper, log_ratio_clamp):
+    ratio = torch.exp(log_ratio(logprobs, old_logprobs, log_ratio_clamp))
+    lower = torch.as_tensor(lower, dtype=ratio.dtype, device=ratio.device).detach()
+    upper = torch.as_tensor(upper, dtype=ratio.dtype, device=ratio.device).detach()
+    clip_lo = (advantages < 0) & (ratio < lower)
+    clip_hi = (advantages > 0) & (ratio > upper)
+    bound = torch.where(clip_lo, lower, upper)
+    loss = torch.where(clip_lo | clip_hi, -advantages * bound, -advantages * ratio)
+    return ratio, loss, clip_lo, clip_hi
+
+
+@POLICY_LOSSES.register("ppo")
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    *,
+    log_ratio_clamp: float = 20.0,
+    **_: object,
+) -> PolicyLossOutput:
+    """PPO surrogate -min(r*A, clip(r, L, H)*A) with asymmetric ratio bounds L=lower, H=upper."""
+    ratio, loss, lo, hi = _ppo_parts(logprobs, old_logprobs, advantages, lower, upper, log_ratio_clamp)
+    return PolicyLossOutput(loss, ratio.detach(), lo, hi, torch.zeros_like(lo))
+
+
+@POLICY_LOSSES.register("dual_clip")
+def dual_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    *,
+    dual_clip_c: torch.Tensor | float = 3.0,
+    log_ratio_clamp: float = 20.0,
+    **_: object,
+) -> PolicyLossOutput:
+    """Dual-clip PPO: as ppo, and for A < 0 the loss is capped at -c*A (ratio above c stops pushing)."""
+    ratio, loss, lo, hi = _ppo_parts(logprobs, old_logprobs, advantages, lower, upper, log_ratio_clamp)
+    c = torch.as_tensor(dual_clip_c, dtype=ratio.dtype, device=ratio.device).detach()
+    dual = (advantages < 0) & (ratio > c)
+    loss = torch.where(dual, -advantages * c, loss)
+    return PolicyLossOutput(loss, ratio.detach(), lo, hi & ~dual, dual)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    *,
+    log_ratio_clamp: float = 20.0,
+    **_: object,
+) -> PolicyLossOutput:
+    """CISPO: -sg(clip(r, L, H)) * A * log pi; every token keeps a gradient, only its IS weight is clipped."""
+    ratio = torch.exp(log_ratio(logprobs, old_logprobs, log_ratio_clamp)).detach()
+    lower = torch.as_tensor(lower, dtype=ratio.dtype, device=ratio.device).detach()
+    upper = torch.as_tensor(upper, dtype=ratio.dtype, device=ratio.device).detach()
+    weight = torch.minimum(torch.maximum(ratio, lower), upper)
+    loss = -advantages * weight * logprobs
+    return PolicyLossOutput(loss, ratio, ratio < lower, ratio > upper, torch.zeros_like(ratio, dtype=torch.bool))
+
+
+def policy_loss(name: str, *args: torch.Tensor, **kwargs: object) -> PolicyLossOutput:
+    """Dispatch to the registered policy loss `name`."""
+    return POLICY_LOSSES.get(name)(*args, **kwargs)

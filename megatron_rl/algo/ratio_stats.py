@@ -1,0 +1,235 @@
+"""Sufficient statistics of (ratio, advantage) pairs for the Calibrated Clipping solvers.
+
+Two representations with the same query interface, one per distributed backend:
+- `SampleStats`: the (gathered) pairs themselves, sorted, each with a count weight
+  (1 unless the all-gather subsampled its rank). Exact.
+- `HistStats`: counts and |A|*r mass in fixed bins over log r (plus under/overflow), for
+  N = {A < 0} and P = {A > 0}. Within one bin width.
+
+Queries (all in float64, on the global token set):
+- `lower_quantile(alpha)`: L = the smallest sample value x_(k) such that the weighted count of
+  samples <= x_(k) exceeds alpha * |N|; for unit weights k = floor(alpha * |N|) + 1, so the
+  number of negative ratios strictly below L is floor(alpha * |N|) when ratios are distinct
+  (never more, and never fewer than alpha*|N| - (ties at L) - 1). alpha = 1 gives the next
+  float above the largest ratio. The histogram returns the lower edge of the bin holding
+  x_(k) (so at most as many tokens below, and |log L - log x_(k)| < bin width).
+- `neg_mass_from(L)` = C-(L) = sum_{N, r >= L} |A| r; `pos_mass_to(H)` = C+(H) = sum_{P, r <= H} A r.
+- `smallest_upper(target)`: the smallest H >= 1 with C+(H) >= target (a positive ratio or 1);
+  when unreachable, the largest positive ratio (all positive tokens active). The histogram
+  returns the upper edge of the bin where C+ crosses the target.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# cum counts compare against alpha*|N| + this, so alpha*|N| that should be an integer c but
+# rounds to c - 1e-13 still selects x_(c+1)
+_COUNT_TOL = 1e-6
+# cumulative masses compare against target * (1 - this): the same data summed in another
+# order (a reference pass, an all-reduce) must still reach its own target
+_MASS_RTOL = 1e-9
+
+
+def _split(ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if ratio.shape != adv.shape or ratio.dim() != 1:
+        raise ValueError(f"ratio and adv must be 1-D of equal length, got {tuple(ratio.shape)} and {tuple(adv.shape)}")
+    return adv < 0, adv > 0
+
+
+@dataclass
+class _Side:
+    """One advantage sign: sorted ratios, their count weights, cumulative weights and masses."""
+
+    r: torch.Tensor
+    cum_w: torch.Tensor
+    cum_m: torch.Tensor
+
+    @classmethod
+    def build(cls, r: torch.Tensor, absadv: torch.Tensor, w: torch.Tensor) -> "_Side":
+        r64, order = r.to(torch.float64).sort(stable=True)
+        w = w.to(torch.float64)[order]
+        m = absadv.to(torch.float64)[order] * r64 * w
+        return cls(r64, w.cumsum(0), m.cumsum(0))
+
+    @property
+    def count(self) -> float:
+        return float(self.cum_w[-1]) if self.r.numel() else 0.0
+
+    @property
+    def mass(self) -> float:
+        return float(self.cum_m[-1]) if self.r.numel() else 0.0
+
+
+class SampleStats:
+    """Exact statistics from explicit (ratio, advantage, weight) samples."""
+
+    def __init__(self, ratio: torch.Tensor, adv: torch.Tensor, weight: Optional[torch.Tensor] = None) -> None:
+        """Split by advantage sign and sort; `weight` = how many tokens each sample stands for (default 1)."""
+        neg, pos = _split(ratio, adv)
+        w = torch.ones_like(ratio, dtype=torch.float64) if weight is None else weight.to(torch.float64)
+        self.neg = _Side.build(ratio[neg], adv[neg].abs(), w[neg])
+        self.pos = _Side.build(ratio[pos], adv[pos], w[pos])
+
+    @property
+    def num_neg(self) -> float:
+        """|N| (weighted)."""
+        return self.neg.count
+
+    @property
+    def num_pos(self) -> float:
+        """|P| (weighted)."""
+        return self.pos.count
+
+    def lower_quantile(self, alpha: float) -> Optional[float]:
+        """L as defined in the module docstring; None when N is empty."""
+        if not self.neg.r.numel():
+            return None
+        thr = torch.tensor(alpha * self.neg.count + _COUNT_TOL, dtype=torch.float64)
+        k = int(torch.searchsorted(self.neg.cum_w, thr, right=True))
+        if k >= self.neg.r.numel():
+            return math.nextafter(float(self.neg.r[-1]), math.inf)
+        return float(self.neg.r[k])
+
+    def neg_mass_from(self, lower: float) -> float:
+        """C-(L) = sum over N with r >= L of |A| r."""
+        if not self.neg.r.numel():
+            return 0.0
+        i = int(torch.searchsorted(self.neg.r, torch.tensor(lower, dtype=torch.float64), right=False))
+        return self.neg.mass - (float(self.neg.cum_m[i - 1]) if i > 0 else 0.0)
+
+    def pos_mass_to(self, upper: float) -> float:
+        """C+(H) = sum over P with r <= H of A r."""
+        i = int(torch.searchsorted(self.pos.r, torch.tensor(upper, dtype=torch.float64), right=True))
+        return float(self.pos.cum_m[i - 1]) if i > 0 else 0.0
+
+    def neg_count_below(self, x: float) -> float:
+        """Weighted count of N with r < x."""
+        i = int(torch.searchsorted(self.neg.r, torch.tensor(x, dtype=torch.float64), right=False))
+        return float(self.neg.cum_w[i - 1]) if i > 0 else 0.0
+
+    def smallest_upper(self, target: float) -> Optional[float]:
+        """Smallest H >= 1 with C+(H) >= target; the largest positive ratio when unreachable; None when P is empty."""
+        if not self.pos.r.numel():
+            return None
+        goal = target * (1.0 - _MASS_RTOL)
+        if self.pos_mass_to(1.0) >= goal:
+            return 1.0
+        j = int(torch.searchsorted(self.pos.cum_m, torch.tensor(goal, dtype=torch.float64), right=False))
+        if j >= self.pos.r.numel():
+            return max(1.0, float(self.pos.r[-1]))
+        return max(1.0, float(self.pos.r[j]))
+
+
+@dataclass(frozen=True)
+class HistSpec:
+    """Bin layout over log r: `bins` equal bins on [log_min, log_max] plus underflow and overflow."""
+
+    bins: int = 8192
+    """Number of regular bins."""
+    log_min: float = -4.0
+    """Lower edge of the binned log-ratio range."""
+    log_max: float = 4.0
+    """Upper edge of the binned log-ratio range."""
+
+    @property
+    def width(self) -> float:
+        """Bin width in log r."""
+        return (self.log_max - self.log_min) / self.bins
+
+    @property
+    def numel(self) -> int:
+        """Floats in one all-reduce buffer: counts and mass for N and P, bins + 2 each."""
+        return 4 * (self.bins + 2)
+
+    def index(self, ratio: torch.Tensor) -> torch.Tensor:
+        """Bin index of each ratio: 0 underflow, 1..bins regular, bins + 1 overflow."""
+        lr = torch.log(ratio.to(torch.float64).clamp_min(1e-300))
+        idx = torch.floor((lr - self.log_min) / self.width).to(torch.int64) + 1
+        return idx.clamp(0, self.bins + 1)
+
+
+def local_histogram(ratio: torch.Tensor, adv: torch.Tensor, spec: HistSpec) -> torch.Tensor:
+    """This rank's [4, bins + 2] float64 buffer: rows = N counts, N |A| r mass, P counts, P A r mass."""
+    neg, pos = _split(ratio, adv)
+    out = torch.zeros(4, spec.bins + 2, dtype=torch.float64)
+    r64, a64 = ratio.to(torch.float64), adv.to(torch.float64)
+    for row, sel in ((0, neg), (2, pos)):
+        idx = spec.index(ratio[sel])
+        out[row].index_add_(0, idx, torch.ones_like(idx, dtype=torch.float64))
+        out[row + 1].index_add_(0, idx, a64[sel].abs() * r64[sel])
+    return out
+
+
+class HistStats:
+    """Statistics from a (globally summed) histogram buffer of `local_histogram` layout."""
+
+    def __init__(self, hist: torch.Tensor, spec: HistSpec) -> None:
+        """Wrap a [4, bins + 2] buffer."""
+        self.spec = spec
+        self.h = hist.to(torch.float64).reshape(4, spec.bins + 2)
+        self.cum = self.h.cumsum(dim=1)
+
+    @property
+    def num_neg(self) -> float:
+        """|N|."""
+        return float(self.cum[0, -1])
+
+    @property
+    def num_pos(self) -> float:
+        """|P|."""
+        return float(self.cum[2, -1])
+
+    def _log_edge(self, b: int) -> float:
+        """Lower edge (log r) of bin b; the underflow bin reports log_min, the overflow bin log_max."""
+        s = self.spec
+        return s.log_min + min(max(b - 1, 0), s.bins) * s.width
+
+    def _cum_at(self, row: int, log_x: float) -> float:
+        """Row total over tokens with log r <= log_x, linear inside a bin; under/overflow sit at the range ends."""
+        s = self.spec
+        if log_x < s.log_min:
+            return 0.0
+        if log_x >= s.log_max:
+            return float(self.cum[row, -1])
+        p = (log_x - s.log_min) / s.width
+        i = min(int(math.floor(p)), s.bins - 1)
+        return float(self.cum[row, i]) + (p - i) * float(self.h[row, i + 1])
+
+    def lower_quantile(self, alpha: float) -> Optional[float]:
+        """Lower edge of the bin holding x_(k) (see module docstring); None when N is empty."""
+        if self.num_neg <= 0:
+            return None
+        thr = torch.tensor(alpha * self.num_neg + _COUNT_TOL, dtype=torch.float64)
+        b = int(torch.searchsorted(self.cum[0], thr, right=True))
+        if b >= self.spec.bins + 2:
+            last = int(torch.nonzero(self.h[0]).max())
+            return math.exp(self._log_edge(last + 1))
+        return math.exp(self._log_edge(b))
+
+    def neg_mass_from(self, lower: float) -> float:
+        """C-(L), linear inside L's bin."""
+        return float(self.cum[1, -1]) - self._cum_at(1, math.log(lower))
+
+    def pos_mass_to(self, upper: float) -> float:
+        """C+(H), linear inside H's bin."""
+        return self._cum_at(3, math.log(upper))
+
+    def neg_count_below(self, x: float) -> float:
+        """Count of N with r < x, linear inside x's bin."""
+        return self._cum_at(0, math.log(x))
+
+    def smallest_upper(self, target: float) -> Optional[float]:
+        """Upper edge of the bin where C+ first reaches target (1 if C+(1) does); None when P is empty."""
+        if self.num_pos <= 0:
+            return None
+        goal = target * (1.0 - _MASS_RTOL)
+        if self.pos_mass_to(1.0) >= goal:
+            return 1.0
+        b = int(torch.searchsorted(self.cum[3], torch.tensor(goal, dtype=torch.float64), right=False))
+        if b >= self.spec.bins + 2:
+            b = int(torch.nonzero(self.h[2]).max())
+        return max(1.0, math.exp(self._log_edge(b + 1)))
