@@ -1,0 +1,1 @@
+"""Architecture presets (presets.py) and the HF <-> Megatron weight mapping."""

@@ -1,0 +1,341 @@
+"""The Learner: owns every piece of megatron state (model chunks, DDP, optimizer, LR schedule).
+
+It knows nothing about RL. It computes log-probs/entropy (`forward_logprobs`), runs one
+optimizer step for a loss given as a callable (`train_step`), and moves full (un-sharded)
+megatron-named weights in and out (`gather_full_state_dict` / `load_full_state_dict`).
+
+Loss contract of `train_step`: `loss_fn(logprobs, entropy, mb, ctx) -> (loss, metrics)` receives
+one micro-batch (for CP, the rows' tokens held by this CP rank, in megatron's load-balanced
+layout, with every [b, S] field of `mb` sliced the same way) and returns a loss in *global sum
+form*: the objective is the sum of loss_fn outputs over all micro-batches and all DP x CP ranks
+(TrainBatch.token_weight carries the normalisation). Gradients are exactly d(sum)/d(theta):
+megatron runs in per-token-loss mode (no 1/num_microbatches), DDP sums instead of averaging and
+the 1/num_tokens scaling is disabled (see trainer/model.py).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig
+from megatron_rl.config.precision import PrecisionConfig
+from megatron_rl.parallel import state
+from megatron_rl.models.presets import resolve_architecture
+from megatron_rl.trainer.logprobs import gather_cp_sequence, vocab_parallel_logprobs_entropy
+from megatron_rl.trainer.model import build_model_chunks, build_transformer_config, unwrap, wrap_ddp
+from megatron_rl.trainer.spec import layer_offset, to_cp_layout
+from megatron_rl.types import TrainBatch
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclass
+class LossContext:
+    """What a loss function may need besides the tensors: groups and micro-batch position."""
+
+    group: Optional[dist.ProcessGroup]
+    """DP x CP group of global loss statistics (each token appears on exactly one rank of it)."""
+    micro_batch_index: int
+    """Index of this micro-batch within the step (0-based)."""
+    num_micro_batches: int
+    """Micro-batches per step on every DP rank."""
+    dp_size: int
+    """Data-parallel size."""
+    cp_size: int
+    """Context-parallel size."""
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, TrainBatch, LossContext], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def _cp_slice(mb: TrainBatch, cp_size: int, cp_rank: int) -> TrainBatch:
+    """The tokens of every [b, S] field held by this CP rank (row fields such as sample_index stay)."""
+    if cp_size == 1:
+        return mb
+    changes = {}
+    for f in fields(mb):
+        value = getattr(mb, f.name)
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            changes[f.name] = to_cp_layout(value, cp_size, cp_rank)
+    return mb.with_fields(**changes)
+
+
+class Learner:
+    """megatron-core GPT learner; call `parallel.state.init_distributed` first (or pass init=True)."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        parallel_cfg: ParallelConfig,
+        optim_cfg: OptimConfig,
+        precision_cfg: PrecisionConfig,
+        vocab_size: int,
+        seed: int = 1234,
+        total_steps: Optional[int] = None,
+        init: bool = False,
+    ) -> None:
+        """Build model chunks, DDP, optimizer and LR schedule; `total_steps` sets the decay length of linear/cosine schedules."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if init or not state.is_initialized():
+            state.init_distributed(parallel_cfg, seed)
+        self.parallel_cfg = parallel_cfg
+        self.precision_cfg = precision_cfg
+        self.arch = resolve_architecture(model_cfg, vocab_size)
+        self.config = build_transformer_config(self.arch, parallel_cfg, optim_cfg, precision_cfg)
+        torch.manual_seed(seed)
+        self.model = wrap_ddp(build_model_chunks(self.arch, self.config, precision_cfg), self.config, parallel_cfg)
+        bf16 = optim_cfg.params_dtype == "bf16"
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim_cfg.lr,
+                min_lr=optim_cfg.min_lr,
+                weight_decay=optim_cfg.weight_decay,
+                adam_beta1=optim_cfg.adam_beta1,
+                adam_beta2=optim_cfg.adam_beta2,
+                adam_eps=optim_cfg.adam_eps,
+                clip_grad=optim_cfg.clip_grad,
+                bf16=bf16,
+                params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                use_distributed_optimizer=parallel_cfg.use_distributed_optimizer,
+            ),
+            self.model,
+        )
+        if optim_cfg.lr_decay_style != "constant" and total_steps is None:
+            raise ValueError(f"optim.lr_decay_style={optim_cfg.lr_decay_style} needs the Learner's total_steps")
+        decay = max(1, (total_steps or 1) - optim_cfg.lr_warmup_steps)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if optim_cfg.lr_warmup_steps else optim_cfg.lr,
+            max_lr=optim_cfg.lr,
+            min_lr=optim_cfg.min_lr,
+            lr_warmup_steps=optim_cfg.lr_warmup_steps,
+            lr_decay_steps=optim_cfg.lr_warmup_steps + decay,
+            lr_decay_style=optim_cfg.lr_decay_style,
+            start_wd=optim_cfg.weight_decay,
+            end_wd=optim_cfg.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+        self.step_count = 0
+
+    # ------------------------------------------------------------------ batches
+    def _check_batch(self, batch: TrainBatch, micro_batch_size: int) -> int:
+        """Number of micro-batches; ValueError on shapes the layout cannot split."""
+        b, s = batch.input_ids.shape
+        if micro_batch_size < 1 or b % micro_batch_size != 0:
+            raise ValueError(f"batch of {b} rows is not divisible by micro_batch_size={micro_batch_size}")
+        cp, tp = state.cp_size(), state.tp_size()
+        div = 2 * cp if cp > 1 else 1
+        if self.parallel_cfg.sequence_parallel:
+            div *= tp
+        if s % div != 0:
+            raise ValueError(f"sequence length {s} must be divisible by {div} (2*CP{' * TP for sequence parallel' if self.parallel_cfg.sequence_parallel else ''})")
+        if s > self.arch.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds model max_seq_len={self.arch.max_seq_len}")
+        for name, t in batch.tensors().items():
+            if t.dim() == 2 and tuple(t.shape) != (b, s):
+                raise ValueError(f"TrainBatch.{name} has shape {tuple(t.shape)}, expected {(b, s)}")
+        return b // micro_batch_size
+
+    def _iterators(self, items: list) -> list[Iterator] | Iterator:
+        """One iterator per model chunk (megatron's interleaved schedule pulls per virtual stage)."""
+        if len(self.model) == 1:
+            return iter(items)
+        return [iter(items) for _ in self.model]
+
+    def _run(self, batch: TrainBatch, micro_batch_size: int, loss_builder, forward_only: bool) -> list:
+        """Run megatron's forward(-backward) schedule over the micro-batches; returns the last stage's outputs."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        n_mb = self._check_batch(batch, micro_batch_size)
+        cp, cp_rank = state.cp_size(), state.cp_rank()
+        seq = batch.input_ids.shape[1]
+        items = [(i, batch.select(slice(i * micro_batch_size, (i + 1) * micro_batch_size))) for i in range(n_mb)]
+
+        def forward_step(data_iterator, model):
+            """Feed one micro-batch; on the last stage the loss closure turns logits into (loss, count, metrics)."""
+            index, mb = next(data_iterator)
+            ids = to_cp_layout(mb.input_ids, cp, cp_rank)
+            pos = to_cp_layout(torch.arange(seq).unsqueeze(0).expand(mb.batch_size, -1), cp, cp_rank)
+            device = next(model.parameters()).device
+            output = model(ids.to(device), pos.to(device), None)
+            return output, lambda logits: loss_builder(logits, index, n_mb, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=self._iterators(items),
+            model=self.model,
+            num_microbatches=n_mb,
+            seq_length=seq,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def _logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vocab-parallel log-probs/entropy of local-layout labels."""
+        return vocab_parallel_logprobs_entropy(
+            logits, labels.to(logits.device), state.tp_group(), self.parallel_cfg.logprob_chunk_size
+        )
+
+    # ------------------------------------------------------------------ public API
+    def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad log-probs and entropy [B, S] of this DP rank's rows, on every rank of the replica."""
+        cp, cp_rank, cp_group = state.cp_size(), state.cp_rank(), state.cp_group()
+
+        def builder(logits, index, n_mb, mb):
+            lp, ent = self._logprobs(logits, to_cp_layout(mb.labels, cp, cp_rank))
+            out = {"logprobs": gather_cp_sequence(lp, cp_group), "entropy": gather_cp_sequence(ent, cp_group)}
+            return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), out
+
+        with torch.no_grad():
+            outputs = self._run(batch, micro_batch_size, builder, forward_only=True)
+        shape = tuple(batch.input_ids.shape)
+        if state.is_last_stage():
+            lp = torch.cat([o["logprobs"] for o in outputs]).float().cpu()
+            ent = torch.cat([o["entropy"] for o in outputs]).float().cpu()
+        else:
+            lp, ent = torch.empty(shape), torch.empty(shape)
+        if state.pp_size() > 1:
+            packed = torch.stack([lp, ent]).to(self._comm_device())
+            dist.broadcast(packed, src=state.last_stage_global_rank(), group=state.pp_group())
+            lp, ent = packed[0].cpu(), packed[1].cpu()
+        return lp, ent
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step on this DP rank's rows; returns loss, grad_norm, lr and loss_fn metrics (sums over micro-batches and DP x CP ranks)."""
+        cp, cp_rank = state.cp_size(), state.cp_rank()
+        group = state.dp_cp_group()
+        dp = state.dp_size()
+
+        def builder(logits, index, n_mb, mb):
+            local = _cp_slice(mb, cp, cp_rank)
+            lp, ent = self._logprobs(logits, local.labels)
+            ctx = LossContext(group=group, micro_batch_index=index, num_micro_batches=n_mb, dp_size=dp, cp_size=cp)
+            loss, metrics = loss_fn(lp, ent, local, ctx)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a 0-d loss, got shape {tuple(loss.shape)}")
+            reduced = {"loss": loss.detach().float()}
+            reduced.update({k: torch.as_tensor(v).detach().float().sum() for k, v in metrics.items()})
+            return loss, torch.tensor(1, dtype=torch.int), reduced
+
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(batch, micro_batch_size, builder, forward_only=False)
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=1)
+        self.step_count += 1
+        metrics = self._reduce_metrics(outputs)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["update_skipped"] = 0.0 if success else 1.0
+        return metrics
+
+    def _comm_device(self) -> torch.device:
+        """Device of tensors handed to collectives (cuda under NCCL)."""
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Sum per-micro-batch metrics, all-reduce over DP x CP on the last stage, share with all stages."""
+        result: Optional[dict[str, float]] = None
+        if state.is_last_stage():
+            keys = sorted(outputs[0]) if outputs else ["loss"]
+            local = torch.stack([sum(o[k] for o in outputs) for k in keys]).to(self._comm_device()) if outputs else torch.zeros(1)
+            dist.all_reduce(local, group=state.dp_cp_group())
+            result = {k: float(v) for k, v in zip(keys, local.cpu())}
+        if state.pp_size() > 1:
+            box = [result]
+            dist.broadcast_object_list(box, src=state.last_stage_global_rank(), group=state.pp_group())
+            result = box[0]
+        return dict(result or {})
+
+    # ------------------------------------------------------------------ weights
+    def _local_params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """(global megatron name, local parameter) for every parameter on this rank."""
+        for vp, chunk in enumerate(self.model):
+            module = unwrap(chunk)
+            offset, _ = layer_offset(self.config, vp if len(self.model) > 1 else None)
+            for name, param in module.named_parameters():
+                m = _LAYER_RE.match(name)
+                if m:
+                    name = f"decoder.layers.{int(m.group(1)) + offset}." + name[m.end():]
+                if self.arch.tie_word_embeddings and name == "output_layer.weight":
+                    continue
+                yield name, param
+
+    def _is_gated_fc1(self, name: str) -> bool:
+        """True for SwiGLU fc1 weights, whose TP shard is cat(gate_i, up_i)."""
+        return self.config.gated_linear_unit and name.endswith("mlp.linear_fc1.weight")
+
+    def gather_full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """Full (un-sharded over TP and PP) fp32 megatron-named tensors on global rank 0; None elsewhere."""
+        tp, tp_group = state.tp_size(), state.tp_group()
+        local: dict[str, torch.Tensor] = {}
+        for name, param in self._local_params():
+            data = param.detach()
+            if tp > 1 and getattr(param, "tensor_model_parallel", False):
+                parts = [torch.empty_like(data) for _ in range(tp)]
+                dist.all_gather(parts, data.contiguous(), group=tp_group)
+                if self._is_gated_fc1(name):
+                    halves = [p.chunk(2, dim=0) for p in parts]
+                    data = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+                else:
+                    data = torch.cat(parts, dim=param.partition_dim)
+            local[name] = data.float().cpu().clone()
+        from megatron.core import parallel_state as mpu
+
+        holder = state.tp_rank() == 0 and mpu.get_data_parallel_rank() == 0 and state.cp_rank() == 0
+        if not holder:
+            return None
+        if state.pp_size() > 1:
+            gathered: list = [None] * state.pp_size() if state.global_rank() == 0 else None
+            dist.gather_object(local, gathered, dst=0, group=state.pp_group())
+            if state.global_rank() != 0:
+                return None
+            full: dict[str, torch.Tensor] = {}
+            for part in gathered:
+                full.update(part)
+            return full
+        return local if state.global_rank() == 0 else None
+
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Shard a full megatron-named dict onto this rank (every rank passes the same dict) and refresh optimizer copies."""
+        tp, tp_rank = state.tp_size(), state.tp_rank()
+        missing = [name for name, _ in self._local_params() if name not in sd]
+        if missing:
+            raise KeyError(f"load_full_state_dict: missing {len(missing)} tensors, e.g. {missing[:5]}")
+        with torch.no_grad():
+            for name, param in self._local_params():
+                full = sd[name]
+                if tp > 1 and getattr(param, "tensor_model_parallel", False):
+                    if self._is_gated_fc1(name):
+                        gate, up = full.chunk(2, dim=0)
+                        piece = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+                    else:
+                        piece = full.chunk(tp, dim=param.partition_dim)[tp_rank]
+                else:
+                    piece = full
+                if tuple(piece.shape) != tuple(param.shape):
+                    raise ValueError(f"load_full_state_dict: {name} has shape {tuple(full.shape)}, which does not shard to {tuple(param.shape)}")
+                param.copy_(piece.to(param.dtype))
+        self.optimizer.reload_model_params()
+
+    def expected_full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full shapes of every megatron-named tensor of the model (for mapping checks)."""
+        tp = state.tp_size()
+        shapes = {}
+        for name, param in self._local_params():
+            shape = list(param.shape)
+            if tp > 1 and getattr(param, "tensor_model_parallel", False):
+                shape[param.partition_dim] *= tp
+            shapes[name] = tuple(shape)
+        return shapes
