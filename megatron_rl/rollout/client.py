@@ -1,0 +1,384 @@
+"""HTTP client of SGLang-protocol rollout servers (real SGLang, the sglang-router, or the embedded engine).
+
+Never imports sglang. Every request has a timeout; connection errors, timeouts and 5xx answers
+are retried with exponential backoff, after which `RolloutServerError` names the URL and the
+last error. Async methods are the primitives; `*_sync` wrappers serve the training loop.
+
+    client = RolloutClient(["http://127.0.0.1:30000"], concurrency=8)
+    client.wait_until_healthy_sync(60)
+    groups = client.generate_batch_sync(prompts, {"temperature": 1.0, "n": 8, "max_new_tokens": 64})
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Mapping, Optional, Sequence, TypeVar, Union
+
+import aiohttp
+
+T = TypeVar("T")
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+class RolloutServerError(RuntimeError):
+    """A rollout server could not be reached, kept failing, or answered something malformed."""
+
+
+@dataclass
+class GenerateResult:
+    """One generated sample, parsed from an SGLang /generate response object."""
+
+    output_ids: list[int]
+    """Generated token ids."""
+    logprobs: list[float]
+    """Per-token log-probs reported by the engine (empty when return_logprob was off)."""
+    finish_reason: str
+    """'stop', 'length' or 'abort'."""
+    weight_version: str
+    """meta_info.weight_version (empty string if the server does not report one)."""
+    text: Optional[str] = None
+    """Decoded completion, when the server has a tokenizer."""
+    matched: Any = None
+    """The stop token id or string that ended generation (finish_reason 'stop')."""
+    meta_info: dict = field(default_factory=dict)
+    """The raw meta_info."""
+
+    def to_sample(self, prompt_ids: list[int], group_id: int, answer: Any = None):
+        """This result as a `megatron_rl.types.Sample`."""
+        from megatron_rl.types import Sample
+
+        return Sample(prompt_ids=list(prompt_ids), response_ids=list(self.output_ids),
+                      rollout_logprobs=list(self.logprobs), finish_reason=self.finish_reason,
+                      group_id=group_id, answer=answer, weight_version=self.weight_version,
+                      response_text=self.text or "")
+
+
+def _bad(msg: str) -> RolloutServerError:
+    return RolloutServerError(f"malformed /generate response: {msg}")
+
+
+def parse_generate_response(obj: Any, want_logprobs: bool = True) -> GenerateResult:
+    """Validate one SGLang /generate response object and return its GenerateResult.
+
+    With logprobs the token ids come from meta_info.output_token_logprobs (one entry per
+    generated token); `output_ids`, when present, must agree with them (it may omit a trailing
+    matched stop token).
+    """
+    if not isinstance(obj, dict):
+        raise _bad(f"expected a JSON object, got {type(obj).__name__}")
+    meta = obj.get("meta_info")
+    if not isinstance(meta, dict):
+        raise _bad("meta_info is missing or not an object")
+    fr = meta.get("finish_reason")
+    if not isinstance(fr, dict) or fr.get("type") not in FINISH_TYPES:
+        raise _bad(f"meta_info.finish_reason={fr!r} is not an object with type in {FINISH_TYPES}")
+    output_ids = obj.get("output_ids")
+    if output_ids is not None and (not isinstance(output_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in output_ids)):
+        raise _bad("output_ids must be a list of integers")
+    logprobs: list[float] = []
+    if want_logprobs:
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list):
+            raise _bad("meta_info.output_token_logprobs is missing (was return_logprob sent?)")
+        ids = []
+        for k, e in enumerate(entries):
+            if not isinstance(e, (list, tuple)) or len(e) < 2 or not isinstance(e[1], int):
+                raise _bad(f"output_token_logprobs[{k}]={e!r} is not [logprob, token_id, text]")
+            lp = e[0]
+            if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp) or lp > 1e-4:
+                raise _bad(f"output_token_logprobs[{k}] has an invalid log-prob {lp!r}")
+            logprobs.append(float(lp))
+            ids.append(int(e[1]))
+        if output_ids is not None and output_ids != ids and output_ids != ids[:-1]:
+            raise _bad(f"output_ids ({len(output_ids)} tokens) disagree with output_token_logprobs ({len(ids)} tokens)")
+        output_ids = ids
+    elif output_ids is None:
+        raise _bad("output_ids is missing (start the server with token output, or request return_logprob)")
+    version = meta.get("weight_version")
+    text = obj.get("text")
+    return GenerateResult(output_ids=list(output_ids), logprobs=logprobs, finish_reason=fr["type"],
+                          weight_version="" if version is None else str(version),
+                          text=text if isinstance(text, str) else None, matched=fr.get("matched"), meta_info=meta)
+
+
+def run_sync(coro: Awaitable[T]) -> T:
+    """Run a coroutine to completion from synchronous code (in a helper thread if a loop is already running here)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class RolloutClient:
+    """Talks SGLang's native HTTP protocol to one or more servers (round-robin over `urls`)."""
+
+    def __init__(self, urls: Union[str, Sequence[str]], concurrency: int = 8, request_timeout_s: float = 120.0,
+                 max_retries: int = 3, retry_backoff_s: float = 0.5, connect_timeout_s: float = 10.0):
+        """Validate settings; no connection is made until a request."""
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("urls must list at least one server URL")
+        for u in urls:
+            if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+                raise ValueError(f"urls: {u!r} is not an http(s) URL")
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        if retry_backoff_s < 0:
+            raise ValueError("retry_backoff_s must be >= 0")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.concurrency = concurrency
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.connect_timeout_s = min(connect_timeout_s, request_timeout_s)
+        self._rr = itertools.count()
+
+    @classmethod
+    def from_config(cls, cfg, urls: Optional[Sequence[str]] = None) -> "RolloutClient":
+        """A client built from a `RolloutConfig` (urls default to cfg.urls)."""
+        return cls(list(urls) if urls is not None else cfg.urls, concurrency=cfg.concurrency,
+                   request_timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
+                   retry_backoff_s=cfg.retry_backoff_s)
+
+    # ---------------------------------------------------------------------------- transport
+    def _session(self) -> aiohttp.ClientSession:
+        """A session for one top-level call (sessions are bound to their event loop)."""
+        connector = aiohttp.TCPConnector(limit=max(self.concurrency, 1) * len(self.urls))
+        return aiohttp.ClientSession(connector=connector)
+
+    async def _request(self, session: aiohttp.ClientSession, url: str, method: str, path: str,
+                       payload: Optional[dict] = None, timeout_s: Optional[float] = None,
+                       retry_on_400: bool = False, max_retries: Optional[int] = None) -> Any:
+        """One call with retries; returns parsed JSON (or text); raises RolloutServerError."""
+        retries = self.max_retries if max_retries is None else max_retries
+        total = timeout_s or self.request_timeout_s
+        timeout = aiohttp.ClientTimeout(total=total, connect=min(self.connect_timeout_s, total))
+        last = "no attempt made"
+        for attempt in range(retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry_backoff_s * (2 ** (attempt - 1)))
+            try:
+                async with session.request(method, url + path, json=payload, timeout=timeout) as resp:
+                    body = await resp.text()
+                    if resp.status < 400:
+                        return _decode(body)
+                    last = f"HTTP {resp.status}: {_error_message(body)}"
+                    if resp.status < 500 and not (retry_on_400 and resp.status == 400):
+                        raise RolloutServerError(f"{method} {url}{path} failed: {last}")
+            except RolloutServerError:
+                raise
+            except asyncio.TimeoutError:
+                last = f"timed out after {total:g} s"
+            except aiohttp.ClientError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+        raise RolloutServerError(f"{method} {url}{path} failed after {retries + 1} attempt(s); last error: {last}")
+
+    def _next_url(self) -> str:
+        return self.urls[next(self._rr) % len(self.urls)]
+
+    # ----------------------------------------------------------------------------- generate
+    @staticmethod
+    def _payload(input_ids: list[int], sampling_params: Optional[Mapping], return_logprob: bool,
+                 rid: Optional[str]) -> dict:
+        if hasattr(sampling_params, "model_dump"):
+            sampling_params = sampling_params.model_dump()
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
+                                "return_logprob": return_logprob, "logprob_start_len": -1}
+        if rid is not None:
+            body["rid"] = rid
+        return body
+
+    async def _generate_one(self, session: aiohttp.ClientSession, sem: asyncio.Semaphore, input_ids: list[int],
+                            sampling_params: Optional[Mapping], return_logprob: bool, rid: Optional[str]) -> list[GenerateResult]:
+        body = self._payload(input_ids, sampling_params, return_logprob, rid)
+        n = int(body["sampling_params"].get("n", 1) or 1)
+        async with sem:
+            url = self._next_url()
+            data = await self._request(session, url, "POST", "/generate", body)
+        objs = data if isinstance(data, list) else [data]
+        if len(objs) != n:
+            raise _bad(f"{url} returned {len(objs)} samples for n={n}")
+        return [parse_generate_response(o, want_logprobs=return_logprob) for o in objs]
+
+    async def generate(self, input_ids: list[int], sampling_params: Optional[Mapping] = None,
+                       return_logprob: bool = True, rid: Optional[str] = None) -> list[GenerateResult]:
+        """The `sampling_params['n']` samples of one prompt (one request)."""
+        _check_prompt(input_ids, 0)
+        async with self._session() as session:
+            return await self._generate_one(session, asyncio.Semaphore(self.concurrency), input_ids,
+                                            sampling_params, return_logprob, rid)
+
+    async def generate_batch(self, prompts: Sequence[list[int]], sampling_params: Optional[Mapping] = None,
+                             return_logprob: bool = True) -> list[list[GenerateResult]]:
+        """Samples of many prompts: one request per prompt, at most `concurrency` in flight, in prompt order."""
+        for k, p in enumerate(prompts):
+            _check_prompt(p, k)
+        sem = asyncio.Semaphore(self.concurrency)
+        async with self._session() as session:
+            tasks = [asyncio.ensure_future(self._generate_one(session, sem, p, sampling_params, return_logprob, None))
+                     for p in prompts]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+    # ------------------------------------------------------------------------------ control
+    async def health(self) -> dict[str, bool]:
+        """Whether each server answers GET /health with 200 (one quick attempt each)."""
+        async def one(session: aiohttp.ClientSession, url: str) -> bool:
+            try:
+                await self._request(session, url, "GET", "/health", timeout_s=min(5.0, self.request_timeout_s), max_retries=0)
+                return True
+            except RolloutServerError:
+                return False
+
+        async with self._session() as session:
+            return dict(zip(self.urls, await asyncio.gather(*(one(session, u) for u in self.urls))))
+
+    async def wait_until_healthy(self, timeout_s: float = 120.0, poll_s: float = 0.25) -> None:
+        """Poll /health on every server until all answer 200; RolloutServerError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.urls)
+        last: dict[str, str] = {}
+        async with self._session() as session:
+            while pending:
+                for url in list(pending):
+                    try:
+                        await self._request(session, url, "GET", "/health",
+                                            timeout_s=max(0.1, min(5.0, deadline - time.monotonic())), max_retries=0)
+                        pending.remove(url)
+                    except RolloutServerError as exc:
+                        last[url] = str(exc)
+                if not pending:
+                    return
+                if time.monotonic() >= deadline:
+                    detail = "; ".join(f"{u}: {last.get(u, '?')}" for u in pending)
+                    raise RolloutServerError(f"rollout server(s) not healthy after {timeout_s:g} s: {detail}")
+                await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
+                                       load_format: Optional[str] = None, flush_cache: bool = True,
+                                       timeout_s: Optional[float] = None) -> list[dict]:
+        """POST /update_weights_from_disk to every server; raises unless all report success."""
+        body = {"model_path": model_path, "load_format": load_format, "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._all_success("/update_weights_from_disk", body, timeout_s)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> list[dict]:
+        """POST /update_weight_version to every server."""
+        return await self._all_success("/update_weight_version",
+                                       {"new_version": str(new_version), "abort_all_requests": abort_all_requests})
+
+    async def _all_success(self, path: str, body: dict, timeout_s: Optional[float] = None) -> list[dict]:
+        async with self._session() as session:
+            answers = await asyncio.gather(*(self._request(session, u, "POST", path, body, timeout_s=timeout_s)
+                                             for u in self.urls))
+        for url, ans in zip(self.urls, answers):
+            if not isinstance(ans, dict) or not ans.get("success"):
+                msg = ans.get("message") if isinstance(ans, dict) else ans
+                raise RolloutServerError(f"POST {url}{path} did not succeed: {msg}")
+        return list(answers)
+
+    async def flush_cache(self) -> None:
+        """POST /flush_cache on every server (retrying while a server reports it is busy)."""
+        async with self._session() as session:
+            await asyncio.gather(*(self._request(session, u, "POST", "/flush_cache", retry_on_400=True) for u in self.urls))
+
+    async def server_info(self) -> list[dict]:
+        """GET /server_info of every server (falls back to the older /get_server_info)."""
+        async def one(session: aiohttp.ClientSession, url: str) -> dict:
+            try:
+                return await self._request(session, url, "GET", "/server_info")
+            except RolloutServerError as exc:
+                if "HTTP 404" not in str(exc):
+                    raise
+                return await self._request(session, url, "GET", "/get_server_info")
+
+        async with self._session() as session:
+            return list(await asyncio.gather(*(one(session, u) for u in self.urls)))
+
+    # --------------------------------------------------------------------------- sync wrappers
+    def generate_sync(self, input_ids: list[int], sampling_params: Optional[Mapping] = None,
+                      return_logprob: bool = True, rid: Optional[str] = None) -> list[GenerateResult]:
+        """Blocking `generate`."""
+        return run_sync(self.generate(input_ids, sampling_params, return_logprob, rid))
+
+    def generate_batch_sync(self, prompts: Sequence[list[int]], sampling_params: Optional[Mapping] = None,
+                            return_logprob: bool = True) -> list[list[GenerateResult]]:
+        """Blocking `generate_batch`."""
+        return run_sync(self.generate_batch(prompts, sampling_params, return_logprob))
+
+    def health_sync(self) -> dict[str, bool]:
+        """Blocking `health`."""
+        return run_sync(self.health())
+
+    def wait_until_healthy_sync(self, timeout_s: float = 120.0) -> None:
+        """Blocking `wait_until_healthy`."""
+        run_sync(self.wait_until_healthy(timeout_s))
+
+    def update_weights_from_disk_sync(self, model_path: str, weight_version: Optional[str] = None,
+                                      load_format: Optional[str] = None, flush_cache: bool = True,
+                                      timeout_s: Optional[float] = None) -> list[dict]:
+        """Blocking `update_weights_from_disk`."""
+        return run_sync(self.update_weights_from_disk(model_path, weight_version, load_format, flush_cache, timeout_s))
+
+    def flush_cache_sync(self) -> None:
+        """Blocking `flush_cache`."""
+        run_sync(self.flush_cache())
+
+    def server_info_sync(self) -> list[dict]:
+        """Blocking `server_info`."""
+        return run_sync(self.server_info())
+
+
+def _check_prompt(ids: Any, k: int) -> None:
+    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"prompt {k}: input_ids must be a non-empty list of integers")
+
+
+def _decode(body: str) -> Any:
+    """JSON if the body is JSON, else the text (SGLang answers some control endpoints in plain text)."""
+    try:
+        return json.loads(body) if body else None
+    except json.JSONDecodeError:
+        return body
+
+
+def _error_message(body: str) -> str:
+    """The message of an SGLang/OpenAI-style JSON error, or the (truncated) body."""
+    data = _decode(body)
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "message" in data:
+            return str(data["message"])
+    return str(body)[:500]

@@ -1,0 +1,462 @@
+"""CPU generation core of the embedded rollout server: an HF causal LM, a batched KV-cache decode loop.
+
+It reproduces what an SGLang engine returns for the RL trainer: n samples per prompt
+(prompt-major), SGLang's sampling pipeline (temperature, top-k, top-p, min-p), stop tokens and
+strings, per-request reproducible seeds, per-token log-probs of the chosen tokens taken from the
+model's RAW logits, and SGLang-shaped finish reasons. Prompts of different lengths are left-padded
+and run together with an attention mask and explicit position ids, so a batched row computes the
+same numbers as the row alone.
+
+The model is built by a replaceable `model_loader(path) -> torch.nn.Module` (default
+`load_hf_model`), so the FP8 emulation can plug in a W8A8 model without touching this file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+GREEDY_TEMPERATURE = 1e-6
+
+# SGLang sampling_params keys this engine implements (any value).
+SUPPORTED_SAMPLING_KEYS = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+    "ignore_eos", "skip_special_tokens", "no_stop_trim", "n", "sampling_seed", "min_new_tokens",
+    "spaces_between_special_tokens",
+)
+# SGLang sampling_params keys accepted only at their neutral value (anything else would silently
+# change the distribution, so it is rejected instead).
+NEUTRAL_SAMPLING_KEYS: dict[str, Any] = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "stop_regex": None,
+    "logit_bias": None, "custom_params": None, "stream_interval": None,
+}
+
+ModelLoader = Callable[[str], torch.nn.Module]
+
+
+class SamplingParamsError(ValueError):
+    """A sampling_params entry is unknown, unsupported or out of range; `key` names it."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass
+class SamplingParams:
+    """SGLang sampling_params of one request (validated by `from_dict`)."""
+
+    max_new_tokens: int = 128
+    """Maximum completion length."""
+    temperature: float = 1.0
+    """Softmax temperature; below 1e-6 decoding is greedy."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens (-1 = all)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top probability."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (need a tokenizer)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop token ids (EOS is a stop unless ignore_eos)."""
+    ignore_eos: bool = False
+    """Do not stop at the model's EOS tokens."""
+    skip_special_tokens: bool = True
+    """Drop special tokens from the returned text."""
+    spaces_between_special_tokens: bool = True
+    """Detokenizer option, passed through to the tokenizer."""
+    no_stop_trim: bool = False
+    """Keep the matched stop string / token in the returned text."""
+    n: int = 1
+    """Samples per prompt."""
+    sampling_seed: Optional[int] = None
+    """Seed making the request's samples reproducible (None: drawn from the engine's generator)."""
+    min_new_tokens: int = 0
+    """Stop tokens are masked out of sampling until this many tokens were generated."""
+
+    @classmethod
+    def from_dict(cls, raw: Optional[dict]) -> "SamplingParams":
+        """Validate an SGLang sampling_params dict; raises SamplingParamsError naming the bad key."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise SamplingParamsError("sampling_params", "sampling_params must be a JSON object")
+        kwargs: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key in NEUTRAL_SAMPLING_KEYS:
+                if value is not None and value != NEUTRAL_SAMPLING_KEYS[key]:
+                    raise SamplingParamsError(
+                        key, f"sampling_params.{key}={value!r} is not supported by the embedded engine "
+                        f"(only {NEUTRAL_SAMPLING_KEYS[key]!r})")
+                continue
+            if key not in SUPPORTED_SAMPLING_KEYS:
+                raise SamplingParamsError(key, f"Unknown sampling parameter: {key!r}")
+            if value is None:
+                continue  # SGLang treats an explicit null as "use the default"
+            kwargs[key] = value
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = [kwargs["stop"]]
+        if isinstance(kwargs.get("stop_token_ids"), int):
+            kwargs["stop_token_ids"] = [kwargs["stop_token_ids"]]
+        params = cls(**kwargs)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        """Range and type checks; raises SamplingParamsError naming the field."""
+        def bad(key: str, why: str) -> SamplingParamsError:
+            return SamplingParamsError(key, f"sampling_params.{key}={getattr(self, key)!r}: {why}")
+
+        for key in ("max_new_tokens", "top_k", "n", "min_new_tokens"):
+            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int):
+                raise bad(key, "must be an integer")
+        for key in ("temperature", "top_p", "min_p"):
+            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), (int, float)):
+                raise bad(key, "must be a number")
+        for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad(key, "must be a boolean")
+        if self.max_new_tokens < 0:
+            raise bad("max_new_tokens", "must be >= 0")
+        if self.min_new_tokens < 0:
+            raise bad("min_new_tokens", "must be >= 0")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k != -1 and self.top_k < 1:
+            raise bad("top_k", "must be -1 (all tokens) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.n < 1:
+            raise bad("n", "must be >= 1")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of them")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of integers")
+        if self.sampling_seed is not None and (
+                isinstance(self.sampling_seed, bool) or not isinstance(self.sampling_seed, int)):
+            raise bad("sampling_seed", "must be an integer")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding is argmax."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def to_dict(self) -> dict:
+        """Plain dict of the fields (SGLang key names)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete `params.n` times."""
+
+    input_ids: list[int]
+    """Prompt token ids."""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling parameters."""
+
+
+@dataclass
+class GenerationOutput:
+    """One completed sample."""
+
+    output_ids: list[int]
+    """Generated token ids (a matched stop token is included, as in SGLang)."""
+    logprobs: list[float]
+    """log_softmax of the raw logits at each chosen token, aligned with output_ids."""
+    finish_reason: dict
+    """SGLang finish reason: {"type": "stop", "matched": id|str} | {"type": "length", "length": n} | {"type": "abort", "message": s}."""
+    prompt_tokens: int
+    """Prompt length."""
+    text: Optional[str] = None
+    """Decoded completion (None without a tokenizer)."""
+
+
+def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Default model loader: an HF causal LM from a local directory (config.json + safetensors), eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model_path {path!r} is not a directory with a config.json")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model.eval()
+
+
+def load_tokenizer(path: str):
+    """An HF tokenizer from a local directory (no hub access)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer_path {path!r} is not a directory")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def eos_token_ids(model: torch.nn.Module) -> set[int]:
+    """The model's EOS ids from its config and generation config (SGLang uses both)."""
+    ids: set[int] = set()
+    for cfg in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """SGLang's top-k / top-p / min-p filter of [B, V] probabilities (all three judged on the unfiltered distribution), renormalized."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device).expand_as(sorted_probs)
+    cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = cum_before > top_p[:, None]
+    drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    drop |= sorted_probs < (sorted_probs[:, :1] * min_p[:, None])
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def _seed_for(base: int, sample_index: int) -> int:
+    """Distinct, reproducible generator seed of sample `sample_index` of a request seeded `base`."""
+    return (int(base) * 1_000_003 + sample_index * 7_919 + 12_345) % (2**63 - 1)
+
+
+class Engine:
+    """Loads a causal LM and generates batches of SGLang-style requests on CPU (thread-confined: call from one thread)."""
+
+    def __init__(self, model_path: str, tokenizer_path: Optional[str] = None,
+                 model_loader: Optional[ModelLoader] = None, random_seed: int = 0,
+                 max_context_len: Optional[int] = None):
+        """Load the model (and tokenizer if given); `model_loader(path)` replaces the default HF loader."""
+        self.model_loader: ModelLoader = model_loader or load_hf_model
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path
+        self.tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+        self.random_seed = int(random_seed)
+        self._seed_gen = torch.Generator().manual_seed(self.random_seed)
+        self._max_context_override = max_context_len
+        self.model: torch.nn.Module = self._load(model_path)
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------------- weights
+    def _load(self, path: str) -> torch.nn.Module:
+        """Build a model with the loader and read the facts the decode loop needs."""
+        model = self.model_loader(path)
+        model.eval()
+        self._eos = eos_token_ids(model)
+        cfg = getattr(model, "config", None)
+        self.vocab_size = int(getattr(cfg, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
+        self.max_context_len = int(self._max_context_override or getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed `past_key_values` to `cache`; support both.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._logits_to_keep = "logits_to_keep" in params
+        return model
+
+    def load_weights(self, path: str) -> None:
+        """Replace the model with the one at `path` (built by the same loader); the old one stays on failure."""
+        model = self._load(path)
+        with self._lock:
+            self.model = model
+            self.model_path = path
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """EOS token ids of the loaded model."""
+        return set(self._eos)
+
+    # -------------------------------------------------------------------------------- forward
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor, cache: Any, last_only: bool) -> tuple[torch.Tensor, Any]:
+        """One model call; returns (float32 logits [B, T or 1, V], cache)."""
+        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
+        if last_only and self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        new_cache = getattr(out, "cache", None)
+        if new_cache is None:
+            new_cache = getattr(out, "past_key_values", None)
+        return out.logits.float(), new_cache
+
+    def _new_cache(self) -> Any:
+        """An empty HF dynamic KV cache."""
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    # ------------------------------------------------------------------------------- generate
+    def check_request(self, req: GenerationRequest) -> None:
+        """Raise ValueError (naming the field) for a prompt the model cannot take."""
+        if not req.input_ids:
+            raise ValueError("input_ids is empty")
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in req.input_ids):
+            raise ValueError(f"input_ids contains a token outside [0, {self.vocab_size})")
+        if len(req.input_ids) >= self.max_context_len:
+            raise ValueError(f"The input ({len(req.input_ids)} tokens) is longer than the model's context "
+                             f"length ({self.max_context_len} tokens)")
+        if req.params.stop and self.tokenizer is None:
+            raise SamplingParamsError("stop", "sampling_params.stop needs a tokenizer (start the server with --tokenizer-path)")
+
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[GenerationRequest],
+                 is_aborted: Optional[Callable[[int], bool]] = None) -> list[list[GenerationOutput]]:
+        """Complete every request `params.n` times in one batch; result[i][j] is sample j of request i.
+
+        `is_aborted(i)` is polled each step; rows of an aborted request finish with an abort reason.
+        """
+        for req in requests:
+            self.check_request(req)
+        with self._lock:
+            return self._generate(list(requests), is_aborted)
+
+    def _generate(self, requests: list[GenerationRequest], is_aborted) -> list[list[GenerationOutput]]:
+        rows: list[tuple[int, int]] = []  # (request index, sample index), prompt-major
+        gens: list[torch.Generator] = []
+        for i, req in enumerate(requests):
+            base = req.params.sampling_seed
+            if base is None:
+                base = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+            for j in range(req.params.n):
+                rows.append((i, j))
+                gens.append(torch.Generator().manual_seed(_seed_for(base, j)))
+        nrows = len(rows)
+        prompts = [requests[i].input_ids for i, _ in rows]
+        params = [requests[i].params for i, _ in rows]
+        budget = [min(p.max_new_tokens, self.max_context_len - len(ids)) for p, ids in zip(params, prompts)]
+        stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos) for p in params]
+        out_ids: list[list[int]] = [[] for _ in range(nrows)]
+        out_lp: list[list[float]] = [[] for _ in range(nrows)]
+        reasons: list[Optional[dict]] = [None] * nrows
+        for r in range(nrows):
+            if budget[r] <= 0:
+                reasons[r] = {"type": "length", "length": params[r].max_new_tokens}
+
+        temp = torch.tensor([max(p.temperature, GREEDY_TEMPERATURE) for p in params])
+        greedy = torch.tensor([p.greedy for p in params])
+        top_k = torch.tensor([p.top_k for p in params])
+        top_p = torch.tensor([float(p.top_p) for p in params])
+        min_p = torch.tensor([float(p.min_p) for p in params])
+
+        active = [r for r in range(nrows) if reasons[r] is None]
+        if active:
+            width = max(len(prompts[r]) for r in active)
+            pad = 0
+            ids = torch.full((len(active), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(active), width), dtype=torch.long)
+            for k, r in enumerate(active):
+                n = len(prompts[r])
+                ids[k, width - n:] = torch.tensor(prompts[r])
+                mask[k, width - n:] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits, cache = self._forward(ids, mask, positions, self._new_cache(), last_only=True)
+            logits = logits[:, -1]
+            next_pos = positions[:, -1] + 1
+        while active:
+            idx = torch.tensor(active)
+            tokens, logprobs = self._choose(logits, idx, temp, greedy, top_k, top_p, min_p,
+                                            [gens[r] for r in active],
+                                            [stop_ids[r] if len(out_ids[r]) < params[r].min_new_tokens else None
+                                             for r in active])
+            keep: list[int] = []
+            for k, r in enumerate(active):
+                tok = int(tokens[k])
+                out_ids[r].append(tok)
+                out_lp[r].append(float(logprobs[k]))
+                if tok in stop_ids[r]:
+                    reasons[r] = {"type": "stop", "matched": tok}
+                elif params[r].stop and (hit := self._stop_string_hit(out_ids[r], params[r])) is not None:
+                    reasons[r] = {"type": "stop", "matched": hit}
+                elif len(out_ids[r]) >= budget[r]:
+                    reasons[r] = {"type": "length", "length": len(out_ids[r])}
+                elif is_aborted is not None and is_aborted(rows[r][0]):
+                    reasons[r] = {"type": "abort", "message": "Abort request"}
+                else:
+                    keep.append(k)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                sel = torch.tensor(keep)
+                cache.batch_select_indices(sel)
+                mask, next_pos, tokens = mask[sel], next_pos[sel], tokens[sel]
+                active = [active[k] for k in keep]
+            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype)], dim=1)
+            logits, cache = self._forward(tokens[:, None], mask, next_pos[:, None], cache, last_only=True)
+            logits = logits[:, -1]
+            next_pos = next_pos + 1
+
+        results: list[list[GenerationOutput]] = [[] for _ in requests]
+        for r, (i, _) in enumerate(rows):
+            results[i].append(GenerationOutput(
+                output_ids=out_ids[r], logprobs=out_lp[r], finish_reason=reasons[r] or {"type": "abort", "message": "internal"},
+                prompt_tokens=len(prompts[r]), text=self._detok(out_ids[r], params[r], reasons[r])))
+        return results
+
+    def _choose(self, logits: torch.Tensor, idx: torch.Tensor, temp, greedy, top_k, top_p, min_p,
+                gens: list[torch.Generator], min_len_masks: list[Optional[set[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pick the next token of each active row; returns (tokens [A], raw-logit log-probs [A])."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        proc = logits.clone()
+        for k, banned in enumerate(min_len_masks):
+            if banned:
+                proc[k, list(banned)] = float("-inf")
+        probs = torch.softmax(proc / temp[idx][:, None], dim=-1)
+        probs = filter_probs(probs, top_k[idx], top_p[idx], min_p[idx])
+        tokens = torch.empty(len(gens), dtype=torch.long)
+        g_rows = greedy[idx]
+        for k, gen in enumerate(gens):
+            if g_rows[k]:
+                tokens[k] = int(proc[k].argmax())
+            else:
+                tokens[k] = int(torch.multinomial(probs[k], 1, generator=gen))
+        return tokens, raw_logprobs.gather(-1, tokens[:, None])[:, 0]
+
+    def _stop_string_hit(self, ids: list[int], params: SamplingParams) -> Optional[str]:
+        """The first stop string found in the tail of the decoded completion, if any."""
+        longest = max(len(s) for s in params.stop)
+        # a stop string cannot span more tokens than characters, plus one for a partial token
+        tail = self.tokenizer.decode(ids[-(longest + 1):], skip_special_tokens=False)
+        for s in params.stop:
+            if s in tail:
+                return s
+        return None
+
+    def _detok(self, ids: list[int], params: SamplingParams, reason: Optional[dict]) -> Optional[str]:
+        """Completion text as SGLang returns it (stop token / string trimmed unless no_stop_trim)."""
+        if self.tokenizer is None:
+            return None
+        matched = (reason or {}).get("matched")
+        if isinstance(matched, int) and not params.no_stop_trim and ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
+                                     spaces_between_special_tokens=params.spaces_between_special_tokens)
+        if isinstance(matched, str) and not params.no_stop_trim:
+            pos = text.find(matched)
+            if pos != -1:
+                text = text[:pos]
+        return text
+
+    def token_text(self, token_id: int) -> Optional[str]:
+        """Text of one token (None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; needs a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("text input needs a tokenizer (start the server with --tokenizer-path), or send input_ids")
+        return list(self.tokenizer.encode(text))
