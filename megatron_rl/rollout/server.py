@@ -98,6 +98,7 @@ class RolloutServer:
         self._abort_epoch = 0
         self._aborted_rids: set[str] = set()
         self._running = 0
+        self.batches_run = 0
         self._tasks: list[asyncio.Task] = []
 
     # --------------------------------------------------------------------------- lifecycle
@@ -185,6 +186,7 @@ class RolloutServer:
         engine = self.engine
         assert engine is not None
         self._running += len(batch)
+        self.batches_run += 1
         try:
             # the abort check runs on the worker thread; it only reads sets/ints (GIL-atomic)
             results = await loop.run_in_executor(
