@@ -42,14 +42,20 @@ class CalibrationTargets:
     num_pos: torch.Tensor
     """0-d float64: |P| of the reference pass (0 means rho carries no information)."""
 
+    @classmethod
+    def of(cls, alpha: float, rho: float) -> "CalibrationTargets":
+        """Targets given directly (static source, tests); the counts are set to 1."""
+        f64 = lambda x: torch.tensor(float(x), dtype=torch.float64)  # noqa: E731
+        return cls(f64(alpha), f64(rho), f64(1), f64(1))
+
 
 class BoundsSolution(NamedTuple):
     """Solved bounds plus what the metrics report."""
 
     lower: torch.Tensor
-    """0-d float32 lower ratio bound L (clamped)."""
+    """0-d lower ratio bound L (clamped)."""
     upper: torch.Tensor
-    """0-d float32 upper ratio bound H (clamped)."""
+    """0-d upper ratio bound H (clamped)."""
     lower_solved: bool
     """False when N was empty and the previous L was kept."""
     upper_solved: bool
@@ -129,7 +135,8 @@ def gather_ratio_stats(
     if backend == "histogram":
         hist = collectives.all_reduce_sum(local_histogram(r, a, hist_spec), group)
         return HistStats(hist, hist_spec)
-    rows, weight = collectives.gather_samples(torch.stack([r.to(torch.float32), a.to(torch.float32)], dim=1), max_samples_per_rank, group, generator)
+    dt = torch.float64 if torch.float64 in (r.dtype, a.dtype) else torch.float32
+    rows, weight = collectives.gather_samples(torch.stack([r.to(dt), a.to(dt)], dim=1), max_samples_per_rank, group, generator)
     return SampleStats(rows[:, 0], rows[:, 1], weight)
 
 
@@ -173,8 +180,13 @@ def solve_bounds(
     upper_min: float = 1.0,
     upper_max: float = 10.0,
     previous: Optional[tuple[float, float]] = None,
+    dtype: torch.dtype = torch.float32,
 ) -> BoundsSolution:
-    """L and H from global statistics (no communication); `previous` (default 1 -/+ eps) fills an empty side."""
+    """L and H from global statistics (no communication); `previous` (default 1 -/+ eps) fills an empty side.
+
+    The bounds come back as 0-d tensors of `dtype`: use the ratios' dtype, so that a bound
+    equal to a data point stays equal to it.
+    """
     rule = UPPER_RULES.get(upper)
     prev_lo, prev_hi = (1.0 - eps_low, 1.0 + eps_high) if previous is None else (float(previous[0]), float(previous[1]))
     raw_lo = stats.lower_quantile(float(targets.alpha))
@@ -184,8 +196,8 @@ def solve_bounds(
     c_minus = stats.neg_mass_from(lo)
     rho_achieved = stats.pos_mass_to(hi) / c_minus if c_minus > 0 else math.nan
     alpha_achieved = stats.neg_count_below(lo) / stats.num_neg if stats.num_neg > 0 else math.nan
-    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    return BoundsSolution(f32(lo), f32(hi), raw_lo is not None, raw_hi is not None, rho_achieved, alpha_achieved)
+    as_t = lambda x: torch.tensor(x, dtype=dtype)  # noqa: E731
+    return BoundsSolution(as_t(lo), as_t(hi), raw_lo is not None, raw_hi is not None, rho_achieved, alpha_achieved)
 
 
 def calibrate_bounds(
@@ -207,13 +219,14 @@ def calibrate_bounds(
     hist_spec: HistSpec = HistSpec(),
     generator: Optional[torch.Generator] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """0-d float32 (lower, upper) for the FP8 ratios at `targets`, global over `group` (see module docstring)."""
+    """0-d (lower, upper) in the ratios' dtype for the FP8 ratios at `targets`, global over `group` (see module docstring)."""
     stats = gather_ratio_stats(
         ratio, adv, group=group, backend=backend, max_samples_per_rank=max_samples_per_rank, hist_spec=hist_spec, generator=generator
     )
     sol = solve_bounds(
         stats, targets, eps_low=eps_low, eps_high=eps_high, upper=upper, lower_min=lower_min,
         lower_max=lower_max, upper_min=upper_min, upper_max=upper_max, previous=previous,
+        dtype=ratio.dtype if ratio.is_floating_point() else torch.float32,
     )
     return sol.lower, sol.upper
 

@@ -43,7 +43,7 @@ class CalibratedClipper:
         self.upper = torch.tensor(1.0 + self.eps_high, dtype=torch.float32)
         self.targets: Optional[CalibrationTargets] = None
         if cfg.target_source == "static":
-            self.targets = CalibrationTargets(_f64(cfg.static_alpha), _f64(cfg.static_rho), _f64(1), _f64(1))
+            self.targets = CalibrationTargets.of(cfg.static_alpha, cfg.static_rho)
         self.solved = False
         self.step = 0
         self._pending = False

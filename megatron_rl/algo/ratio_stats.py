@@ -10,8 +10,8 @@ Queries (all in float64, on the global token set):
 - `lower_quantile(alpha)`: L = the smallest sample value x_(k) such that the weighted count of
   samples <= x_(k) exceeds alpha * |N|; for unit weights k = floor(alpha * |N|) + 1, so the
   number of negative ratios strictly below L is floor(alpha * |N|) when ratios are distinct
-  (never more, and never fewer than alpha*|N| - (ties at L) - 1). alpha = 1 gives the next
-  float above the largest ratio. The histogram returns the lower edge of the bin holding
+  (never more, and never fewer than alpha*|N| - (ties at L) - 1). alpha = 1 gives the largest
+  ratio times (1 + 1e-6). The histogram returns the lower edge of the bin holding
   x_(k) (so at most as many tokens below, and |log L - log x_(k)| < bin width).
 - `neg_mass_from(L)` = C-(L) = sum_{N, r >= L} |A| r; `pos_mass_to(H)` = C+(H) = sum_{P, r <= H} A r.
 - `smallest_upper(target)`: the smallest H >= 1 with C+(H) >= target (a positive ratio or 1);
@@ -91,7 +91,8 @@ class SampleStats:
         thr = torch.tensor(alpha * self.neg.count + _COUNT_TOL, dtype=torch.float64)
         k = int(torch.searchsorted(self.neg.cum_w, thr, right=True))
         if k >= self.neg.r.numel():
-            return math.nextafter(float(self.neg.r[-1]), math.inf)
+            # 1e-6 relative survives a cast to float32 (whose spacing is 1.2e-7 relative)
+            return float(self.neg.r[-1]) * (1.0 + 1e-6)
         return float(self.neg.r[k])
 
     def neg_mass_from(self, lower: float) -> float:

@@ -1,0 +1,1 @@
+"""Tests of megatron_rl/algo (pure tensor math) and its configs."""
