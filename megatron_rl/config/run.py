@@ -1,0 +1,114 @@
+"""The run config (all sections) and the only place that parses: YAML files plus dotted overrides.
+
+    cfg = load_config("examples/configs/tiny_grpo.yaml", ["train.steps=5", "algo.calibration.enabled=true"])
+
+Unknown keys, wrong types and invalid values raise ConfigError naming the dotted key.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+from pydantic import ValidationError
+
+from megatron_rl.config.algo import AlgoConfig
+from megatron_rl.config.base import StrictConfig
+from megatron_rl.config.data import DataConfig
+from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig
+from megatron_rl.config.precision import PrecisionConfig
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.config.train import CheckpointConfig, SftConfig, TrackingConfig, TrainConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+class RunConfig(StrictConfig):
+    """Everything one run needs; each section is documented in its own module."""
+
+    run_dir: str = "runs/default"
+    """Directory of this run: metrics, checkpoints, weights, generated data."""
+    model: ModelConfig = ModelConfig()
+    """Architecture."""
+    parallel: ParallelConfig = ParallelConfig()
+    """Learner parallel layout."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer."""
+    precision: PrecisionConfig = PrecisionConfig()
+    """FP8 policy of learner and rollout."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Rollout engines, client and weight sync."""
+    data: DataConfig = DataConfig()
+    """Prompts, tokenizer and reward."""
+    algo: AlgoConfig = AlgoConfig()
+    """Advantages, policy loss, calibrated clipping, rollout correction."""
+    train: TrainConfig = TrainConfig()
+    """RL step schedule and batch sizes."""
+    sft: SftConfig = SftConfig()
+    """Supervised warm start."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Distributed checkpoints and resume."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Metrics outputs."""
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and not isinstance(err["input"], dict) else ""))
+    return f"invalid config ({source}):\n" + "\n".join(lines)
+
+
+def apply_override(tree: dict, override: str) -> None:
+    """Apply one 'dotted.key=value' override to a nested dict (value parsed as YAML)."""
+    if "=" not in override:
+        raise ConfigError(f"override '{override}' is not of the form dotted.key=value")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override '{override}' has an empty key component")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{override}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Build a RunConfig from an optional YAML file and dotted overrides (applied in order)."""
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        tree = loaded
+        source = str(path)
+    overrides = list(overrides)
+    for item in overrides:
+        apply_override(tree, item)
+    if overrides:
+        source += " + overrides"
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the fully resolved config as YAML (the run's record of what it ran)."""
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

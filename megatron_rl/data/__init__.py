@@ -1,0 +1,1 @@
+"""Prompt datasets (JSONL), synthetic verifiable tasks and the character tokenizer."""

@@ -1,0 +1,147 @@
+"""Megatron-core <-> Hugging Face weight mapping for dense Llama-3 / Qwen2.5 / Qwen3 models.
+
+Works on full (un-sharded) tensors: the Learner gathers TP/PP shards into megatron names first.
+Layouts (FACTS.md): linear_qkv is grouped per query group, [q_g (heads_per_group*d), k_g (d),
+v_g (d)] for each group g; linear_fc1 is cat([gate, up]). Both the local spec's norm names
+(input_layernorm / pre_mlp_layernorm) and the TE spec's fused names
+(linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight) are read; `to_megatron` writes
+the layout given by `te_fused_norms`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+import torch
+
+from megatron_rl.models.presets import Architecture
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# megatron suffix -> HF suffix for tensors that map one-to-one.
+_DIRECT = {
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    # TE spec fuses the pre-norms into the following linear.
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+}
+
+
+class MappingError(KeyError):
+    """A tensor that has no counterpart, or a missing/extra tensor, named explicitly."""
+
+
+def split_qkv(qkv: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron grouped linear_qkv (weight [rows, H] or bias [rows]) -> (q, k, v) in HF layout."""
+    g, d = arch.num_query_groups, arch.head_dim
+    per = arch.num_attention_heads // g
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(g, (per + 2) * d, *tail)
+    q, k, v = torch.split(grouped, [per * d, d, d], dim=1)
+    return q.reshape(g * per * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Architecture) -> torch.Tensor:
+    """HF q/k/v projections -> megatron grouped linear_qkv."""
+    g, d = arch.num_query_groups, arch.head_dim
+    per = arch.num_attention_heads // g
+    tail = q.shape[1:]
+    merged = torch.cat([q.reshape(g, per * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
+    return merged.reshape(g * (per + 2) * d, *tail)
+
+
+def to_hf(megatron_sd: Mapping[str, torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:
+    """Full megatron-named state dict -> HF-named state dict (new tensors; inputs untouched)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in megatron_sd.items():
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = tensor.clone()
+            continue
+        if name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = tensor.clone()
+            continue
+        if name == "output_layer.weight":
+            if not arch.tie_word_embeddings:
+                out["lm_head.weight"] = tensor.clone()
+            continue
+        m = _LAYER.match(name)
+        if not m:
+            raise MappingError(f"no HF counterpart for megatron tensor '{name}'")
+        layer, suffix = int(m.group(1)), m.group(2)
+        prefix = f"model.layers.{layer}."
+        if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            kind = suffix.rsplit(".", 1)[1]
+            q, k, v = split_qkv(tensor, arch)
+            for proj, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                out[f"{prefix}self_attn.{proj}.{kind}"] = part.clone()
+        elif suffix == "mlp.linear_fc1.weight":
+            gate, up = tensor.chunk(2, dim=0)
+            out[prefix + "mlp.gate_proj.weight"] = gate.clone()
+            out[prefix + "mlp.up_proj.weight"] = up.clone()
+        elif suffix in _DIRECT:
+            out[prefix + _DIRECT[suffix]] = tensor.clone()
+        else:
+            raise MappingError(f"no HF counterpart for megatron tensor '{name}'")
+    return out
+
+
+def to_megatron(hf_sd: Mapping[str, torch.Tensor], arch: Architecture, *, te_fused_norms: bool = False) -> dict[str, torch.Tensor]:
+    """HF-named state dict -> full megatron-named state dict (local-spec or TE-spec norm names)."""
+    reverse = {hf: mg for mg, hf in _DIRECT.items() if "layernorm.weight" not in hf}
+    reverse["input_layernorm.weight"] = "self_attention.linear_qkv.layer_norm_weight" if te_fused_norms else "input_layernorm.weight"
+    reverse["post_attention_layernorm.weight"] = "mlp.linear_fc1.layer_norm_weight" if te_fused_norms else "pre_mlp_layernorm.weight"
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in hf_sd.items():
+        if name == "model.embed_tokens.weight":
+            out["embedding.word_embeddings.weight"] = tensor.clone()
+            if arch.tie_word_embeddings:
+                continue
+        elif name == "model.norm.weight":
+            out["decoder.final_layernorm.weight"] = tensor.clone()
+        elif name == "lm_head.weight":
+            if not arch.tie_word_embeddings:
+                out["output_layer.weight"] = tensor.clone()
+        else:
+            m = _HF_LAYER.match(name)
+            if not m:
+                raise MappingError(f"no megatron counterpart for HF tensor '{name}'")
+            layer, suffix = int(m.group(1)), m.group(2)
+            if suffix.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")):
+                pending.setdefault(layer, {})[suffix] = tensor
+            elif suffix in reverse:
+                out[f"decoder.layers.{layer}.{reverse[suffix]}"] = tensor.clone()
+            elif suffix.endswith("rotary_emb.inv_freq"):
+                continue  # derived buffer, recomputed from rope_theta
+            else:
+                raise MappingError(f"no megatron counterpart for HF tensor '{name}'")
+    for layer, parts in pending.items():
+        prefix = f"decoder.layers.{layer}."
+        for kind in ("weight", "bias"):
+            names = [f"self_attn.{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj")]
+            present = [n in parts for n in names]
+            if any(present):
+                if not all(present):
+                    raise MappingError(f"layer {layer}: q/k/v {kind} must all be present")
+                out[prefix + f"self_attention.linear_qkv.{kind}"] = merge_qkv(*(parts[n] for n in names), arch)
+        if ("mlp.gate_proj.weight" in parts) != ("mlp.up_proj.weight" in parts):
+            raise MappingError(f"layer {layer}: gate_proj and up_proj must both be present")
+        if "mlp.gate_proj.weight" in parts:
+            out[prefix + "mlp.linear_fc1.weight"] = torch.cat([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]], dim=0)
+    return out
+
+
+def check_complete(sd: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], what: str) -> None:
+    """Raise MappingError naming missing, unexpected or mis-shaped tensors."""
+    missing = sorted(set(expected) - set(sd))
+    extra = sorted(set(sd) - set(expected))
+    shapes = [f"{k}: {tuple(sd[k].shape)} != {tuple(expected[k])}" for k in sorted(set(sd) & set(expected)) if tuple(sd[k].shape) != tuple(expected[k])]
+    if missing or extra or shapes:
+        raise MappingError(f"{what}: missing {missing[:5]}, unexpected {extra[:5]}, shape mismatches {shapes[:5]}")
