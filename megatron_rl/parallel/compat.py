@@ -16,7 +16,7 @@ upgrade removes or changes one of them):
    generator (``manual_seed_all`` stays: torch.manual_seed itself calls it), so ``model_parallel_cuda_manual_seed`` and the
    RNG tracker's ``fork()`` work (megatron warns once per fork on CPU; that is expected).
 3. A process-wide ``TorchFunctionMode`` maps ``device="cuda"``/``"cuda:N"``/int devices to
-   cpu in tensor factories and ``Tensor.to``, makes ``Tensor.cuda()`` and ``Tensor.pin_memory()``
+   cpu in tensor factories and ``Tensor.to``, drops ``pin_memory=True``, makes ``Tensor.cuda()`` and ``Tensor.pin_memory()``
    return the tensor itself, and makes ``Tensor.type()`` report ``torch.cuda.<T>`` for
    ``torch.<T>`` (megatron's optimizers branch on that string).
 """
@@ -63,6 +63,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if "device" in kwargs:
             kwargs["device"] = _map_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is _TENSOR_TO and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
             args = (args[0], _map_device(args[1]), *args[2:])
         return func(*args, **kwargs)
@@ -107,9 +109,9 @@ def check_patch_points() -> None:
     problems = []
     for owner, name, _, params in _patch_table():
         saved = _STATE["originals"].get((id(owner), name))
-        original = saved[1] if saved else getattr(owner, name, None)
         label = f"{getattr(owner, '__name__', owner)}.{name}"
-        if original is None or not callable(original):
+        original = saved[1] if saved else getattr(owner, name, None)
+        if not hasattr(owner, name) or original is None or not callable(original):
             problems.append(f"{label} is missing")
             continue
         if params is None:

@@ -1,0 +1,76 @@
+"""Shared test helpers: run a script under N gloo processes and collect each rank's JSON result.
+
+Usage from a test:
+
+    from conftest import run_distributed
+    results = run_distributed(Path(__file__).with_name("my_worker.py"), nproc=2, args=["--case", "tp2"])
+    # results[r] is whatever rank r passed to dist_report.report(...)
+
+A worker script calls `report(obj)` from tests/distributed/dist_report.py (or writes
+`{RUN_DISTRIBUTED_RESULT_DIR}/rank{RANK}.json` itself). Processes are started with
+`python -m torch.distributed.run --standalone`, one CPU thread each.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+RESULT_DIR_ENV = "RUN_DISTRIBUTED_RESULT_DIR"
+
+
+def run_distributed(
+    script_path: str | os.PathLike,
+    nproc: int,
+    args: Sequence[str] = (),
+    timeout: float = 180.0,
+    env: Optional[dict[str, str]] = None,
+) -> list[Any]:
+    """Run `script_path` on `nproc` local processes via torchrun; return the per-rank JSON results (index = global rank)."""
+    script = Path(script_path)
+    if not script.exists():
+        raise FileNotFoundError(script)
+    with tempfile.TemporaryDirectory(prefix="run_distributed_") as out:
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        child_env[RESULT_DIR_ENV] = out
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), str(script.parent), child_env.get("PYTHONPATH", "")) if p
+        )
+        child_env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", str(script), *map(str, args),
+        ]
+        try:
+            proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"{script.name} x{nproc} timed out after {timeout}s\n{(exc.stderr or '')[-4000:]}") from exc
+        if proc.returncode != 0:
+            raise AssertionError(
+                f"{script.name} x{nproc} {' '.join(map(str, args))} failed (rc={proc.returncode})\n"
+                f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+            )
+        results = []
+        for rank in range(nproc):
+            path = Path(out) / f"rank{rank}.json"
+            if not path.exists():
+                raise AssertionError(f"rank {rank} of {script.name} reported no result\n{proc.stderr[-4000:]}")
+            results.append(json.loads(path.read_text()))
+        return results
+
+
+@pytest.fixture
+def distributed_runner():
+    """The `run_distributed` function, as a fixture."""
+    return run_distributed

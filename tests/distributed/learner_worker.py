@@ -1,0 +1,103 @@
+"""Worker for tests/distributed/test_learner_parallel.py: one Learner run under a parallel layout.
+
+Run (normally through tests/conftest.py:run_distributed):
+    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/distributed/learner_worker.py \
+        --tp 2 --init INIT.pt --out OUT_DIR
+Without --init it initialises from its own seed and saves the initial full state dict to
+OUT_DIR/init.pt (the world-1 reference does this). Every rank saves OUT_DIR/rank{R}.pt with its
+DP rows' log-probs/entropy, the step metrics, and (rank 0) the final full state dict.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+
+from dist_report import report  # noqa: E402
+
+from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from megatron_rl.config.precision import PrecisionConfig  # noqa: E402
+from megatron_rl.parallel import state  # noqa: E402
+from megatron_rl.trainer.learner import Learner  # noqa: E402
+from megatron_rl.types import TrainBatch  # noqa: E402
+
+VOCAB, B, S, LAYERS = 96, 8, 16, 4
+
+
+def global_batch() -> TrainBatch:
+    """The fixed global batch every run sees (right-padded rows, varying prompt/response lengths)."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    labels = torch.randint(0, VOCAB, (B, S), generator=g)
+    prompt = torch.randint(2, 6, (B,), generator=g)
+    length = torch.randint(9, S + 1, (B,), generator=g)
+    pos = torch.arange(S)[None]
+    mask = ((pos >= prompt[:, None]) & (pos < length[:, None])).float()
+    adv = torch.randn(B, 1, generator=g).expand(B, S) * mask
+    return TrainBatch(
+        input_ids=ids, labels=labels, loss_mask=mask, advantages=adv.contiguous(),
+        rollout_logprobs=torch.zeros(B, S), token_weight=mask / mask.sum(), sample_index=torch.arange(B),
+    )
+
+
+def loss_fn(lp, ent, mb, ctx):
+    """Global-sum-form policy-gradient-like loss with an entropy bonus (exercises both gradients)."""
+    w = mb.token_weight
+    loss = (w * (-mb.advantages * lp - 0.05 * ent)).sum()
+    return loss, {"tokens": mb.loss_mask.sum(), "weight": w.sum(), "entropy_sum": (w * ent).sum().detach()}
+
+
+def main() -> None:
+    """Parse the layout, run forward + 2 train steps, save results."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--sp", action="store_true")
+    p.add_argument("--distopt", action="store_true")
+    p.add_argument("--mbs", type=int, default=1)
+    p.add_argument("--chunk", type=int, default=5)
+    p.add_argument("--init", default=None)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    pcfg = ParallelConfig(
+        tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+        virtual_pipeline_model_parallel_size=a.vpp, context_parallel_size=a.cp, sequence_parallel=a.sp,
+        use_distributed_optimizer=a.distopt, logprob_chunk_size=a.chunk,
+    )
+    state.init_distributed(pcfg, seed=11)
+    learner = Learner(
+        ModelConfig(preset="tiny", num_layers=LAYERS), pcfg, OptimConfig(lr=5e-4, clip_grad=1.0),
+        PrecisionConfig(), vocab_size=VOCAB, seed=11,
+    )
+    out = Path(a.out)
+    if a.init:
+        learner.load_full_state_dict(torch.load(a.init))
+    else:
+        init = learner.gather_full_state_dict()
+        if state.global_rank() == 0:
+            torch.save(init, out / "init.pt")
+    batch = global_batch()
+    dp, r = state.dp_size(), state.dp_rank()
+    rows = slice(r * B // dp, (r + 1) * B // dp)
+    mine = batch.select(rows)
+    lp, ent = learner.forward_logprobs(mine, a.mbs)
+    steps = [learner.train_step(mine, loss_fn, a.mbs) for _ in range(2)]
+    lp_after, _ = learner.forward_logprobs(mine, a.mbs)
+    final = learner.gather_full_state_dict()
+    rank = state.global_rank()
+    torch.save({"rows": (rows.start, rows.stop), "logprobs": lp, "entropy": ent, "logprobs_after": lp_after,
+                "steps": steps, "final": final}, out / f"rank{rank}.pt")
+    report({"rank": rank, "dp_rank": r, "steps": steps})
+    state.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
