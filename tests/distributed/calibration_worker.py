@@ -1,0 +1,71 @@
+"""Worker for test_calibration_collectives.py: global calibration statistics on gloo ranks.
+
+Each rank takes its (uneven, possibly empty) slice of one deterministic data set, runs the
+calibration API with group=WORLD for both backends, and reports the results as JSON.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dist_report import report
+from megatron_rl.algo.calibration import calibrate_bounds, gather_ratio_stats, reference_targets
+from megatron_rl.algo.clipper import CalibratedClipper
+from megatron_rl.config.algo import CalibrationConfig
+from megatron_rl.parallel.collectives import gather_samples
+
+COUNTS = [1300, 0, 751]
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+CLAMPS = dict(lower_min=1e-3, lower_max=1.0, upper_min=1.0, upper_max=100.0)
+
+
+def make_data(seed: int = 11) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole data set: hp ratios, fp8 ratios (float32) and advantages, concatenated in rank order."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(COUNTS)
+    r_hp = torch.exp(torch.randn(n, generator=g) * 0.2)
+    r_fp8 = r_hp * torch.exp(torch.randn(n, generator=g) * 0.15)
+    adv = torch.randn(n, generator=g)
+    adv[::17] = 0.0
+    return r_hp, r_fp8, adv
+
+
+def rank_slice(rank: int, world: int) -> slice:
+    """This rank's rows; ranks beyond len(COUNTS) get none."""
+    counts = (COUNTS + [0] * world)[:world]
+    start = sum(counts[:rank])
+    return slice(start, start + counts[rank])
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    r_hp, r_fp8, adv = (x[rank_slice(rank, world)] for x in make_data())
+    t = reference_targets(r_hp, adv, eps_low=EPS_LOW, eps_high=EPS_HIGH, group=group)
+    out = {"alpha": float(t.alpha), "rho": float(t.rho)}
+    for backend in ("allgather", "histogram"):
+        lo, hi = calibrate_bounds(r_fp8, adv, t, eps_low=EPS_LOW, eps_high=EPS_HIGH, group=group, backend=backend, **CLAMPS)
+        out[backend] = [float(lo), float(hi)]
+    stats = gather_ratio_stats(r_fp8, adv, group=group, backend="allgather")
+    out["num_neg"], out["num_pos"] = stats.num_neg, stats.num_pos
+    rows = torch.stack([r_fp8, adv], dim=1)
+    sub, weight = gather_samples(rows, 300, group, torch.Generator().manual_seed(rank))
+    out["subsampled_rows"], out["subsampled_weight_sum"] = int(sub.shape[0]), float(weight.sum())
+    clip = CalibratedClipper(
+        CalibrationConfig(enabled=True, bounds_update="per_microbatch", smoothing=0.0, **CLAMPS), eps_low=EPS_LOW, eps_high=EPS_HIGH
+    )
+    clip.begin_step(0)
+    half = r_fp8.numel() // 2
+    b1 = clip.update(r_fp8[:half], adv[:half], ratio_hp=r_hp[:half], group=group)
+    b2 = clip.update(r_fp8[half:], adv[half:], group=group)
+    out["clipper"] = [float(x) for x in (*b1, *b2)]
+    report(out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
