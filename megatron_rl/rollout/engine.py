@@ -182,13 +182,28 @@ class GenerationOutput:
     """Decoded completion (None without a tokenizer)."""
 
 
-def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Default model loader: an HF causal LM from a local directory (config.json + safetensors), eval mode."""
+def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = True) -> torch.nn.Module:
+    """Default model loader: an HF causal LM from a local directory (config.json + safetensors), eval mode.
+
+    strict: a checkpoint with missing, unexpected or mis-shaped tensors is an error (HF would
+    otherwise random-initialize what is missing, silently corrupting a weight sync).
+    """
     from transformers import AutoModelForCausalLM
 
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model_path {path!r} is not a directory with a config.json")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                       output_loading_info=True)
+    if strict:
+        unexpected = set(info.get("unexpected_keys") or ())
+        if getattr(model.config, "tie_word_embeddings", False):
+            unexpected.discard("lm_head.weight")
+        problems = {"missing": sorted(info.get("missing_keys") or ()), "unexpected": sorted(unexpected),
+                    "mismatched": sorted(str(k) for k in (info.get("mismatched_keys") or ()))}
+        problems = {k: v for k, v in problems.items() if v}
+        if problems:
+            detail = "; ".join(f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items())
+            raise ValueError(f"checkpoint {path!r} does not match its config.json ({detail})")
     return model.eval()
 
 
@@ -413,10 +428,14 @@ class Engine:
         for k, banned in enumerate(min_len_masks):
             if banned:
                 proc[k, list(banned)] = float("-inf")
-        probs = torch.softmax(proc / temp[idx][:, None], dim=-1)
-        probs = filter_probs(probs, top_k[idx], top_p[idx], min_p[idx])
-        tokens = torch.empty(len(gens), dtype=torch.long)
         g_rows = greedy[idx]
+        tokens = torch.empty(len(gens), dtype=torch.long)
+        probs = None
+        if not bool(g_rows.all()):
+            probs = torch.softmax(proc / temp[idx][:, None], dim=-1)
+            k, p, m = top_k[idx], top_p[idx], min_p[idx]
+            if bool((k > 0).any() | (p < 1.0).any() | (m > 0).any()):  # the sort is the costly part on big vocabularies
+                probs = filter_probs(probs, k, p, m)
         for k, gen in enumerate(gens):
             if g_rows[k]:
                 tokens[k] = int(proc[k].argmax())

@@ -240,6 +240,18 @@ def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float) -> N
                       f"(last: {last}); log tail:\n{router.log_tail()}")
 
 
+def launch_from_config(cfg, model_path: str, tokenizer_path: Optional[str] = None, model_loader: Optional[str] = None,
+                       log_dir: Optional[str] = None, num_threads: int = 1) -> RolloutCluster:
+    """`launch_engines` with the settings of a `RolloutConfig` (engine='embedded')."""
+    if cfg.engine != "embedded":
+        raise ValueError(f"rollout.engine={cfg.engine!r}: only 'embedded' engines are launched here; "
+                         "external servers are reached through rollout.urls")
+    return launch_engines(model_path, cfg.num_engines, tokenizer_path=tokenizer_path, host=cfg.host,
+                          base_port=cfg.base_port, random_seed=cfg.seed, model_loader=model_loader,
+                          num_threads=num_threads, use_router=cfg.use_router, router_policy=cfg.router_policy,
+                          startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir)
+
+
 @contextlib.contextmanager
 def engines(model_path: str, num_engines: int = 1, **kwargs) -> Iterator[RolloutCluster]:
     """Context manager form of `launch_engines`."""
