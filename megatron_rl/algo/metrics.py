@@ -47,7 +47,7 @@ def ratio_histograms(
 ) -> dict[str, torch.Tensor]:
     """Counts of log r over [-log_range, log_range] in `bins` bins plus under/overflow, for A<0 and A>0."""
     valid = loss_mask > 0
-    lr = torch.log(ratio.detach().to(torch.float64).clamp_min(1e-300))
+    lr = torch.log(ratio.detach().to(torch.float64)).clamp(-1e4, 1e4)
     width = 2 * log_range / bins
     idx = (torch.floor((lr + log_range) / width).to(torch.int64) + 1).clamp(0, bins + 1)
     out = {}

@@ -148,7 +148,8 @@ class HistSpec:
 
     def index(self, ratio: torch.Tensor) -> torch.Tensor:
         """Bin index of each ratio: 0 underflow, 1..bins regular, bins + 1 overflow."""
-        lr = torch.log(ratio.to(torch.float64).clamp_min(1e-300))
+        # clamp so 0 and inf land in the under/overflow bins instead of casting inf to int64
+        lr = torch.log(ratio.to(torch.float64)).clamp(-1e4, 1e4)
         idx = torch.floor((lr - self.log_min) / self.width).to(torch.int64) + 1
         return idx.clamp(0, self.bins + 1)
 

@@ -1,0 +1,64 @@
+"""AlgoConfig validation names the failing field; config choices match the algo registries."""
+from __future__ import annotations
+
+import typing
+
+import pytest
+from pydantic import ValidationError
+
+from megatron_rl.algo.advantages import ADVANTAGE_ESTIMATORS
+from megatron_rl.algo.aggregation import AGG_MODES
+from megatron_rl.algo.calibration import UPPER_RULES
+from megatron_rl.algo.kl import KL_ESTIMATORS
+from megatron_rl.algo.losses import POLICY_LOSSES
+from megatron_rl.algo.rollout_correction import ROLLOUT_CORRECTIONS
+from megatron_rl.config.algo import (
+    AdvantageConfig,
+    AlgoConfig,
+    CalibrationConfig,
+    DapoConfig,
+    KLConfig,
+    PolicyLossConfig,
+    RolloutCorrectionConfig,
+)
+
+
+@pytest.mark.parametrize(
+    "model,field,registry",
+    [
+        (AdvantageConfig, "estimator", ADVANTAGE_ESTIMATORS),
+        (PolicyLossConfig, "name", POLICY_LOSSES),
+        (PolicyLossConfig, "agg_mode", AGG_MODES),
+        (CalibrationConfig, "upper", UPPER_RULES),
+        (KLConfig, "estimator", KL_ESTIMATORS),
+        (RolloutCorrectionConfig, "mode", ROLLOUT_CORRECTIONS),
+    ],
+)
+def test_config_choices_are_registered(model, field, registry):
+    assert sorted(typing.get_args(model.model_fields[field].annotation)) == registry.names()
+
+
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        ({"policy_loss": {"eps_low": 1.5}}, "algo.policy_loss.eps_low"),
+        ({"policy_loss": {"agg_mode": "seq-mean-token-sum-norm"}}, "algo.policy_loss.max_response_length"),
+        ({"policy_loss": {"dual_clip_c": 1.0}}, "algo.policy_loss.dual_clip_c"),
+        ({"calibration": {"lower_min": 0.9, "lower_max": 0.5}}, "algo.calibration.lower_min"),
+        ({"calibration": {"calibrate_every": 0}}, "algo.calibration.calibrate_every"),
+        ({"rollout_correction": {"mis_low": 3.0}}, "algo.rollout_correction.mis_low"),
+        ({"dapo": {"overlong_buffer": 10, "max_response_length": 5}}, "algo.dapo.max_response_length"),
+        ({"kl": {"coef": -1}}, "algo.kl.coef"),
+    ],
+)
+def test_errors_name_the_field(data, needle):
+    with pytest.raises(ValidationError, match=needle.replace(".", r"\.")):
+        AlgoConfig.model_validate(data)
+
+
+def test_unknown_key_rejected_and_every_field_documented():
+    with pytest.raises(ValidationError, match="clip_eps"):
+        AlgoConfig.model_validate({"policy_loss": {"clip_eps": 0.2}})
+    for model in (AlgoConfig, AdvantageConfig, PolicyLossConfig, CalibrationConfig, KLConfig, RolloutCorrectionConfig, DapoConfig):
+        for name, f in model.model_fields.items():
+            assert f.description, f"{model.__name__}.{name} has no docstring"
