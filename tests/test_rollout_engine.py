@@ -205,6 +205,8 @@ def test_model_loader_hook_and_reload(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         engine.load_weights(str(tmp_path / "missing"))
     assert engine.generate([r])[0][0].logprobs == b.logprobs  # failed reload keeps the old model
+    with pytest.raises(SamplingParamsError, match="tokenizer"):
+        engine.generate([req([3], stop=["w5"])])  # stop strings need a tokenizer
 
 
 def test_abort_callback_finishes_rows(tiny):

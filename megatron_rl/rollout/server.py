@@ -33,6 +33,7 @@ from megatron_rl.rollout.engine import (
 log = logging.getLogger("megatron_rl.rollout.server")
 
 SERVER_VERSION = "megatron_rl-embedded-0.1"
+HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
 class BadRequest(ValueError):
@@ -189,9 +190,12 @@ class RolloutServer:
         self.batches_run += 1
         try:
             # the abort check runs on the worker thread; it only reads sets/ints (GIL-atomic)
-            results = await loop.run_in_executor(
-                self._executor, engine.generate, [p.request for p in batch], lambda i: self._is_aborted(batch[i]))
-            version = self.weight_version
+            def job():
+                # the version is read on the worker thread, where weight reloads also run, so it
+                # always names the weights that produced these tokens
+                return engine.generate([p.request for p in batch], lambda i: self._is_aborted(batch[i])), self.weight_version
+
+            results, version = await loop.run_in_executor(self._executor, job)
             for item, outs in zip(batch, results):
                 if not item.future.done():
                     item.future.set_result((outs, version))
@@ -238,8 +242,11 @@ class RolloutServer:
         """200 after a one-token generation succeeds."""
         if (resp := self._not_ready()) is not None:
             return resp
-        await self._submit(GenerationRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0)),
-                           f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        try:
+            await asyncio.wait_for(self._submit(GenerationRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0)),
+                                                f"HEALTH_CHECK_{uuid.uuid4().hex}"), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return _error(f"health check generation did not finish in {HEALTH_GENERATE_TIMEOUT_S:g} s (paused or busy)", 503)
         return web.Response(text="")
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -295,15 +302,19 @@ class RolloutServer:
                 raise BadRequest("update_weights_from_disk: weight_version must be a string")
         except BadRequest as exc:
             return web.json_response({"success": False, "message": str(exc)}, status=400)
-        loop = asyncio.get_running_loop()
+        engine = self.engine
+
+        def job() -> None:
+            engine.load_weights(model_path)
+            if version is not None:
+                self.weight_version = str(version)
+
         try:
-            await loop.run_in_executor(self._executor, self.engine.load_weights, model_path)
+            await asyncio.get_running_loop().run_in_executor(self._executor, job)
         except Exception as exc:
             msg = f"Failed to update weights from {model_path}: {type(exc).__name__}: {exc}"
             log.error(msg)
             return web.json_response({"success": False, "message": msg}, status=400)
-        if version is not None:
-            self.weight_version = str(version)
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": 0})
 
