@@ -59,6 +59,7 @@ def bench(tokens: int, reps: int, cfg: AlgoConfig) -> dict[str, float]:
     w = token_weights(mask, cfg.policy_loss.agg_mode, t, s)
 
     def step(bounds):
+        """One micro-batch: loss forward and backward at `bounds`."""
         x = lp.clone().requires_grad_(True)
         loss, _ = policy_objective(x, old, adv, w, mask, bounds, cfg=cfg)
         loss.backward()
@@ -71,6 +72,7 @@ def bench(tokens: int, reps: int, cfg: AlgoConfig) -> dict[str, float]:
         clip.update(ratio, a, ratio_hp=r_hp)
 
         def calibrated():
+            """Re-solve the bounds from the live ratios, then the micro-batch."""
             r, av = flatten_valid(torch.exp(lp - old), adv, mask)
             step(clip.update(r, av))
 

@@ -85,17 +85,15 @@ def flatten_valid(ratio: torch.Tensor, adv: torch.Tensor, loss_mask: torch.Tenso
     return ratio.detach()[keep], adv.detach()[keep]
 
 
-def reference_targets(
+def reference_sums(
     ratio_hp: torch.Tensor,
     adv: torch.Tensor,
     *,
     eps_low: float,
     eps_high: float,
     group: Optional[object] = None,
-    backend: str = "allgather",
-) -> CalibrationTargets:
-    """alpha and rho of the high-precision ratios (global over `group`; exact sums for both backends)."""
-    _check_backend(backend)
+) -> torch.Tensor:
+    """Global [|N|, |N below 1-eps_low|, C+_hp(1+eps_high), C-_hp(1-eps_low), |P|] (float64); additive over batches."""
     r, a = _valid(ratio_hp, adv)
     r64, a64 = r.to(torch.float64), a.to(torch.float64)
     neg, pos = a64 < 0, a64 > 0
@@ -109,7 +107,12 @@ def reference_targets(
             pos.sum().to(torch.float64),
         ]
     )
-    n_neg, n_below, c_plus, c_minus, n_pos = collectives.all_reduce_sum(sums, group).tolist()
+    return collectives.all_reduce_sum(sums, group)
+
+
+def targets_from_sums(sums: torch.Tensor) -> CalibrationTargets:
+    """alpha and rho from `reference_sums` output (possibly summed over several micro-batches)."""
+    n_neg, n_below, c_plus, c_minus, n_pos = sums.tolist()
     alpha = n_below / n_neg if n_neg > 0 else 0.0
     if c_minus > 0:
         rho = c_plus / c_minus
@@ -117,6 +120,20 @@ def reference_targets(
         rho = math.inf if c_plus > 0 else 0.0
     f64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     return CalibrationTargets(f64(alpha), f64(rho), f64(n_neg), f64(n_pos))
+
+
+def reference_targets(
+    ratio_hp: torch.Tensor,
+    adv: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    group: Optional[object] = None,
+    backend: str = "allgather",
+) -> CalibrationTargets:
+    """alpha and rho of the high-precision ratios (global over `group`; exact sums for both backends)."""
+    _check_backend(backend)
+    return targets_from_sums(reference_sums(ratio_hp, adv, eps_low=eps_low, eps_high=eps_high, group=group))
 
 
 def gather_ratio_stats(

@@ -19,8 +19,9 @@ from megatron_rl.algo.calibration import (
     BoundsSolution,
     CalibrationTargets,
     gather_ratio_stats,
-    reference_targets,
+    reference_sums,
     solve_bounds,
+    targets_from_sums,
 )
 from megatron_rl.algo.ratio_stats import HistSpec
 from megatron_rl.config.algo import CalibrationConfig
@@ -47,6 +48,7 @@ class CalibratedClipper:
         self.solved = False
         self.step = 0
         self._pending = False
+        self._step_sums: Optional[torch.Tensor] = None
         self.last: Optional[BoundsSolution] = None
 
     def is_calibration_step(self, step: int) -> bool:
@@ -63,9 +65,10 @@ class CalibratedClipper:
         return bool(torch.rand((), generator=g) < self.cfg.shadow_fraction)
 
     def begin_step(self, step: int) -> None:
-        """Call once per step before its micro-batches; static targets re-solve on the first micro-batch of calibration steps."""
+        """Call once per step before its micro-batches: starts the step's pooled shadow statistics; static targets re-solve on the first micro-batch of calibration steps."""
         self.step = step
         self._pending = self.cfg.target_source == "static" and self.is_calibration_step(step)
+        self._step_sums = None
 
     def _merge_targets(self, new: CalibrationTargets) -> None:
         old = self.targets
@@ -90,9 +93,10 @@ class CalibratedClipper:
         if ratio_hp is not None:
             if self.cfg.target_source != "shadow":
                 raise ValueError("ratio_hp given but algo.calibration.target_source is not 'shadow'")
-            self._merge_targets(
-                reference_targets(ratio_hp, adv, eps_low=self.eps_low, eps_high=self.eps_high, group=group, backend=self.cfg.backend)
-            )
+            sums = reference_sums(ratio_hp, adv, eps_low=self.eps_low, eps_high=self.eps_high, group=group)
+            # targets pool every shadow micro-batch of the step: more tokens, steadier alpha and rho
+            self._step_sums = sums if self._step_sums is None else self._step_sums + sums
+            self._merge_targets(targets_from_sums(self._step_sums))
             new_targets = True
         resolve = self.cfg.bounds_update == "per_microbatch" or new_targets or self._pending
         if resolve and self.targets is not None:
@@ -135,6 +139,7 @@ class CalibratedClipper:
             "solved": self.solved,
             "step": self.step,
             "pending": self._pending,
+            "step_sums": None if self._step_sums is None else self._step_sums.tolist(),
             "targets": None if t is None else {k: float(getattr(t, k)) for k in ("alpha", "rho", "num_neg", "num_pos")},
             "generator": self.generator.get_state(),
         }
@@ -146,6 +151,8 @@ class CalibratedClipper:
         self.solved = bool(state["solved"])
         self.step = int(state["step"])
         self._pending = bool(state["pending"])
+        sums = state.get("step_sums")
+        self._step_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
         t = state["targets"]
         self.targets = None if t is None else CalibrationTargets(*(_f64(t[k]) for k in ("alpha", "rho", "num_neg", "num_pos")))
         self.generator.set_state(state["generator"])

@@ -50,6 +50,7 @@ class _Side:
 
     @classmethod
     def build(cls, r: torch.Tensor, absadv: torch.Tensor, w: torch.Tensor) -> "_Side":
+        """Sort by ratio (stable, so equal data in equal order gives bit-equal sums)."""
         r64, order = r.to(torch.float64).sort(stable=True)
         w = w.to(torch.float64)[order]
         m = absadv.to(torch.float64)[order] * r64 * w
@@ -57,10 +58,12 @@ class _Side:
 
     @property
     def count(self) -> float:
+        """Weighted number of tokens."""
         return float(self.cum_w[-1]) if self.r.numel() else 0.0
 
     @property
     def mass(self) -> float:
+        """Total |A| r mass."""
         return float(self.cum_m[-1]) if self.r.numel() else 0.0
 
 

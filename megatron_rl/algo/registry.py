@@ -18,6 +18,7 @@ class Registry(Generic[T]):
         """Decorator adding an implementation under `name`."""
 
         def deco(obj: T) -> T:
+            """Store `obj` under the name (a name may be registered once)."""
             if name in self._items:
                 raise ValueError(f"{self.kind} {name!r} registered twice")
             self._items[name] = obj
@@ -37,4 +38,5 @@ class Registry(Generic[T]):
         return sorted(self._items)
 
     def __contains__(self, name: object) -> bool:
+        """Whether `name` is registered."""
         return name in self._items

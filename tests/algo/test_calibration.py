@@ -240,3 +240,19 @@ def test_bytes_per_call():
     ag = calibration_bytes("allgather", world_size=8, tokens_per_rank=32768, max_samples_per_rank=65536)
     assert ag == 7 * (8 + 32768 * 24)
     assert calibration_bytes("allgather", world_size=1, tokens_per_rank=10) == 0
+
+
+def test_clipper_pools_shadow_microbatches_of_a_step():
+    g = torch.Generator().manual_seed(5)
+    r_hp = torch.exp(torch.randn(1200, generator=g) * 0.25)
+    a = torch.randn(1200, generator=g)
+    c = CalibratedClipper(_cfg(), eps_low=0.2, eps_high=0.28)
+    c.begin_step(0)
+    c.update(r_hp[:500], a[:500], ratio_hp=r_hp[:500])
+    c.update(r_hp[500:], a[500:], ratio_hp=r_hp[500:])
+    want = reference_targets(r_hp, a, eps_low=0.2, eps_high=0.28)
+    assert float(c.targets.alpha) == float(want.alpha)
+    assert float(c.targets.rho) == pytest.approx(float(want.rho), rel=1e-12)
+    c.begin_step(20)  # a new step starts a new pool
+    c.update(r_hp[:500], a[:500], ratio_hp=r_hp[:500])
+    assert float(c.targets.alpha) == float(reference_targets(r_hp[:500], a[:500], eps_low=0.2, eps_high=0.28).alpha)
