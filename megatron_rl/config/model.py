@@ -17,6 +17,14 @@ class ModelConfig(StrictConfig):
     """Override the preset's number of transformer layers."""
     hidden_size: Optional[int] = None
     """Override the preset's hidden size."""
+    ffn_hidden_size: Optional[int] = None
+    """Override the preset's SwiGLU intermediate size."""
+    num_attention_heads: Optional[int] = None
+    """Override the preset's number of query heads."""
+    num_query_groups: Optional[int] = None
+    """Override the preset's number of key/value heads (GQA groups)."""
+    head_dim: Optional[int] = None
+    """Override the preset's per-head width."""
     vocab_size: Optional[int] = None
     """Override the vocabulary size (set from the tokenizer for the tiny task)."""
     max_seq_len: Optional[int] = None

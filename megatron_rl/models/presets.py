@@ -109,12 +109,16 @@ def resolve_architecture(model_cfg: ModelConfig, vocab_size: Optional[int] = Non
     """The preset of `model_cfg` with its overrides applied; `vocab_size` (e.g. the tokenizer's) wins over model.vocab_size."""
     arch = get_preset(model_cfg.preset)
     changes: dict[str, Any] = {}
-    for field in ("num_layers", "hidden_size", "max_seq_len"):
+    for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "max_seq_len"):
         value = getattr(model_cfg, field)
         if value is not None:
             if value < 1:
                 raise ValueError(f"model.{field} must be >= 1, got {value}")
             changes[field] = value
+    heads = changes.get("num_attention_heads", arch.num_attention_heads)
+    groups = changes.get("num_query_groups", arch.num_query_groups)
+    if heads % groups != 0:
+        raise ValueError(f"model.num_attention_heads={heads} must be a multiple of model.num_query_groups={groups}")
     vocab = vocab_size if vocab_size is not None else model_cfg.vocab_size
     if vocab is not None:
         changes["vocab_size"] = pad_vocab(vocab, arch.vocab_multiple)
