@@ -9,6 +9,23 @@ gives the globally aggregated loss (token_weight from megatron_rl.algo.aggregati
 call `finalize_metrics`.
 
 Per-token loss = policy_loss * rollout_correction_weight + kl_coef * KL - entropy_coef * entropy.
+
+A learner loss_fn (ctx.group = the DP x CP group; ctx.clipper a CalibratedClipper or None;
+ctx.logprobs_hp the shadow high-precision log-probs of the current policy on shadow
+micro-batches, else None):
+
+    def loss_fn(logprobs, entropy, mb, ctx):
+        bounds = default_bounds(cfg)
+        if ctx.clipper is not None:
+            adv, mask = mb.advantages, mb.loss_mask
+            ratio, a = flatten_valid(torch.exp(logprobs.detach() - mb.old_logprobs), adv, mask)
+            ratio_hp = None
+            if ctx.logprobs_hp is not None:
+                ratio_hp, _ = flatten_valid(torch.exp(ctx.logprobs_hp - mb.old_logprobs_hp), adv, mask)
+            bounds = ctx.clipper.update(ratio, a, ratio_hp=ratio_hp, group=ctx.group)
+        return policy_objective(logprobs, mb.old_logprobs, mb.advantages, mb.token_weight,
+                                mb.loss_mask, bounds, mb.rollout_logprobs, mb.ref_logprobs,
+                                entropy, cfg)
 """
 from __future__ import annotations
 
@@ -49,6 +66,8 @@ def policy_objective(
     detached). rollout_weight (precomputed correction weights, e.g. sequence-level under
     context parallelism) overrides the correction computed from rollout_logprobs.
     """
+    if token_weight is None:
+        raise ValueError("policy_objective needs token_weight (megatron_rl.algo.aggregation.token_weights)")
     p = cfg.policy_loss
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     lower, upper = default_bounds(cfg) if bounds is None else bounds
@@ -67,7 +86,10 @@ def policy_objective(
         pg = pg * rollout_weight.detach()
         sums.update(M.rollout_correction_sums(rollout_weight.detach(), torch.zeros_like(mask, dtype=torch.bool), loss_mask))
     elif rollout_logprobs is not None and rc.mode != "none":
-        corr = rollout_correction(old, rollout_logprobs, loss_mask, mode=rc.mode, level=rc.level, tis_cap=rc.tis_cap, mis_low=rc.mis_low, mis_high=rc.mis_high)
+        corr = rollout_correction(
+            old, rollout_logprobs, loss_mask, mode=rc.mode, level=rc.level,
+            tis_cap=torch.tensor(rc.tis_cap), mis_low=torch.tensor(rc.mis_low), mis_high=torch.tensor(rc.mis_high),
+        )
         pg = pg * corr.weight
         sums.update(M.rollout_correction_sums(corr.weight, corr.clipped, loss_mask))
     if rollout_logprobs is not None:

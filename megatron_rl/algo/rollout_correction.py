@@ -7,7 +7,6 @@ split) and pass them in, or keep whole sequences in each micro-batch.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,7 +42,7 @@ def _log_w(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: tor
 
 def _tis(old_logprobs, rollout_logprobs, mask, *, level, tis_cap=2.0, **_):
     lw = _log_w(old_logprobs, rollout_logprobs, mask, level)
-    log_cap = math.log(float(tis_cap))
+    log_cap = torch.log(torch.as_tensor(tis_cap, dtype=lw.dtype))
     clipped = (lw > log_cap) & (mask > 0)
     raw = torch.exp(lw) * mask
     return CorrectionOutput(torch.exp(lw.clamp(max=log_cap)) * mask, raw, clipped)
@@ -52,7 +51,7 @@ def _tis(old_logprobs, rollout_logprobs, mask, *, level, tis_cap=2.0, **_):
 def _mis(old_logprobs, rollout_logprobs, mask, *, level, mis_low=0.5, mis_high=2.0, **_):
     lw = _log_w(old_logprobs, rollout_logprobs, mask, level)
     raw = torch.exp(lw)
-    keep = (raw >= mis_low) & (raw <= mis_high)
+    keep = (raw >= torch.as_tensor(mis_low, dtype=raw.dtype)) & (raw <= torch.as_tensor(mis_high, dtype=raw.dtype))
     return CorrectionOutput(torch.where(keep, raw, torch.zeros_like(raw)) * mask, raw * mask, ~keep & (mask > 0))
 
 
@@ -72,9 +71,9 @@ def rollout_correction(
     *,
     mode: str = "tis",
     level: str = "token",
-    tis_cap: float = 2.0,
-    mis_low: float = 0.5,
-    mis_high: float = 2.0,
+    tis_cap: torch.Tensor | float = 2.0,
+    mis_low: torch.Tensor | float = 0.5,
+    mis_high: torch.Tensor | float = 2.0,
 ) -> CorrectionOutput:
     """Detached correction weights: tis = min(w, tis_cap); mis = w inside [mis_low, mis_high] else 0 (token level = ICEPOP)."""
     if level not in ("token", "sequence"):
