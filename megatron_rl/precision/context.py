@@ -4,7 +4,9 @@ On CPU the fake-quant linears decide for themselves (they check high_precision_a
 context is a no-op there. On GPU megatron's TransformerBlock already enters TE autocast per
 layer when TransformerConfig.fp8 is set; this context then only has to turn it OFF inside
 high_precision(), which it does by clearing model_config.fp8 for the duration of the forward
-(TE's backward follows the mode each module saw in its forward).
+(TE's backward follows the mode each module saw in its forward). Shadow passes are forward-only
+log-prob passes: an activation-recompute backward would re-run the forward after the context
+has restored config.fp8, so do not take gradients through a high_precision() forward on GPU.
 """
 from __future__ import annotations
 
