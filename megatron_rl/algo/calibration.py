@@ -26,7 +26,6 @@ from megatron_rl.algo.registry import Registry
 from megatron_rl.parallel import collectives
 
 Stats = Union[SampleStats, HistStats]
-BACKENDS = ("allgather", "histogram")
 
 
 @dataclass
@@ -67,8 +66,7 @@ class BoundsSolution(NamedTuple):
 
 
 def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown calibration backend {backend!r}; valid names: {', '.join(BACKENDS)}")
+    STATS_BACKENDS.get(backend)
 
 
 def _valid(ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +134,22 @@ def reference_targets(
     return targets_from_sums(reference_sums(ratio_hp, adv, eps_low=eps_low, eps_high=eps_high, group=group))
 
 
+StatsBackend = Callable[..., Stats]
+STATS_BACKENDS: Registry[StatsBackend] = Registry("calibration backend")
+
+
+@STATS_BACKENDS.register("histogram")
+def _histogram_stats(r, a, group, *, hist_spec: HistSpec, **_: object) -> HistStats:
+    return HistStats(collectives.all_reduce_sum(local_histogram(r, a, hist_spec), group), hist_spec)
+
+
+@STATS_BACKENDS.register("allgather")
+def _allgather_stats(r, a, group, *, max_samples_per_rank: int, generator: Optional[torch.Generator], **_: object) -> SampleStats:
+    dt = torch.float64 if torch.float64 in (r.dtype, a.dtype) else torch.float32
+    rows, weight = collectives.gather_samples(torch.stack([r.to(dt), a.to(dt)], dim=1), max_samples_per_rank, group, generator)
+    return SampleStats(rows[:, 0], rows[:, 1], weight)
+
+
 def gather_ratio_stats(
     ratio: torch.Tensor,
     adv: torch.Tensor,
@@ -147,14 +161,9 @@ def gather_ratio_stats(
     generator: Optional[torch.Generator] = None,
 ) -> Stats:
     """Global statistics of (ratio, adv) over `group` by `backend` (one collective round per call)."""
-    _check_backend(backend)
+    fn = STATS_BACKENDS.get(backend)
     r, a = _valid(ratio, adv)
-    if backend == "histogram":
-        hist = collectives.all_reduce_sum(local_histogram(r, a, hist_spec), group)
-        return HistStats(hist, hist_spec)
-    dt = torch.float64 if torch.float64 in (r.dtype, a.dtype) else torch.float32
-    rows, weight = collectives.gather_samples(torch.stack([r.to(dt), a.to(dt)], dim=1), max_samples_per_rank, group, generator)
-    return SampleStats(rows[:, 0], rows[:, 1], weight)
+    return fn(r, a, group, hist_spec=hist_spec, max_samples_per_rank=max_samples_per_rank, generator=generator)
 
 
 UpperRule = Callable[[Stats, float, CalibrationTargets, float, float], Optional[float]]

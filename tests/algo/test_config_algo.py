@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from megatron_rl.algo.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.algo.aggregation import AGG_MODES
-from megatron_rl.algo.calibration import UPPER_RULES
+from megatron_rl.algo.calibration import STATS_BACKENDS, UPPER_RULES
 from megatron_rl.algo.kl import KL_ESTIMATORS
 from megatron_rl.algo.losses import POLICY_LOSSES
 from megatron_rl.algo.rollout_correction import ROLLOUT_CORRECTIONS
@@ -30,6 +30,7 @@ from megatron_rl.config.algo import (
         (PolicyLossConfig, "name", POLICY_LOSSES),
         (PolicyLossConfig, "agg_mode", AGG_MODES),
         (CalibrationConfig, "upper", UPPER_RULES),
+        (CalibrationConfig, "backend", STATS_BACKENDS),
         (KLConfig, "estimator", KL_ESTIMATORS),
         (RolloutCorrectionConfig, "mode", ROLLOUT_CORRECTIONS),
     ],
