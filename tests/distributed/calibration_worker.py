@@ -5,7 +5,6 @@ calibration API with group=WORLD for both backends, and reports the results as J
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
