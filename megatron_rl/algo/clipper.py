@@ -24,7 +24,7 @@ from megatron_rl.algo.calibration import (
     targets_from_sums,
 )
 from megatron_rl.algo.ratio_stats import HistSpec
-from megatron_rl.config.algo import CalibrationConfig
+from megatron_rl.config.algo import AlgoConfig, CalibrationConfig
 
 
 def _f64(x: float) -> torch.Tensor:
@@ -156,3 +156,10 @@ class CalibratedClipper:
         t = state["targets"]
         self.targets = None if t is None else CalibrationTargets(*(_f64(t[k]) for k in ("alpha", "rho", "num_neg", "num_pos")))
         self.generator.set_state(state["generator"])
+
+
+def make_clipper(cfg: AlgoConfig) -> Optional[CalibratedClipper]:
+    """A CalibratedClipper for `cfg` (eps from cfg.policy_loss), or None when calibration is off."""
+    if not cfg.calibration.enabled:
+        return None
+    return CalibratedClipper(cfg.calibration, eps_low=cfg.policy_loss.eps_low, eps_high=cfg.policy_loss.eps_high)

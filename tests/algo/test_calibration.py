@@ -256,3 +256,34 @@ def test_clipper_pools_shadow_microbatches_of_a_step():
     c.begin_step(20)  # a new step starts a new pool
     c.update(r_hp[:500], a[:500], ratio_hp=r_hp[:500])
     assert float(c.targets.alpha) == float(reference_targets(r_hp[:500], a[:500], eps_low=0.2, eps_high=0.28).alpha)
+
+
+def test_make_clipper_and_histogram_backend():
+    from megatron_rl.algo.clipper import make_clipper
+    from megatron_rl.config.algo import AlgoConfig
+
+    assert make_clipper(AlgoConfig()) is None
+    cfg = AlgoConfig.model_validate({"policy_loss": {"eps_high": 0.28}, "calibration": {"enabled": True, "backend": "histogram", "smoothing": 0.0}})
+    c = make_clipper(cfg)
+    g = torch.Generator().manual_seed(2)
+    r_hp = torch.exp(torch.randn(3000, generator=g) * 0.2)
+    r8 = r_hp * torch.exp(torch.randn(3000, generator=g) * 0.1)
+    a = torch.randn(3000, generator=g)
+    c.begin_step(0)
+    lo, hi = c.update(r8, a, ratio_hp=r_hp)
+    exact = calibrate_bounds(r8, a, reference_targets(r_hp, a, eps_low=0.2, eps_high=0.28), eps_low=0.2, eps_high=0.28)
+    assert abs(math.log(float(lo)) - math.log(float(exact[0]))) <= HistSpec().width * 1.001
+
+
+def test_local_collectives_are_identity():
+    from megatron_rl.parallel.collectives import all_gather_variable, all_reduce_sum, gather_samples, subsample_rows
+
+    rows = torch.arange(12.0).reshape(6, 2)
+    assert torch.equal(all_reduce_sum(rows, None), rows)
+    out, counts = all_gather_variable(rows, None)
+    assert torch.equal(out, rows) and counts.tolist() == [6]
+    out, w = gather_samples(rows, 2, None)  # no group: nothing to cap
+    assert torch.equal(out, rows) and w.tolist() == [1.0] * 6
+    kept, weight = subsample_rows(rows, 4, torch.Generator().manual_seed(0))
+    assert kept.shape == (4, 2) and weight == 1.5
+    assert all(any(torch.equal(k, r) for r in rows) for k in kept)
