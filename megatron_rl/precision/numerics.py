@@ -132,7 +132,10 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     """TE-convention quantization with given per-block fp32 scales: q = cast(x * scale), scale_inv = 1/scale."""
     x2d = _as_2d(x).float()
     rows, cols = x2d.shape
-    scale = scale.float().reshape(-(-rows // block[0]), -(-cols // block[1]))
+    n_blocks = (-(-rows // block[0]), -(-cols // block[1]))
+    scale = scale.float()
+    if scale.numel() == n_blocks[0] * n_blocks[1]:  # else an empty tensor with its one per-tensor scale
+        scale = scale.reshape(n_blocks)
     q = cast_to_fp8(x2d * _expand_blocks(scale, block, rows, cols), fmt)
     return QuantizedTensor(q, torch.reciprocal(scale), block, x.shape)
 
@@ -144,7 +147,12 @@ def quantize_current(x: torch.Tensor, fmt: Fp8Format = "e4m3", power_of_two: boo
     if amax is None:
         amax = tensor_amax(x2d)
     scale = te_scale_from_amax(amax.reshape(1, 1), fp8_max(fmt), power_of_two, eps)
-    return quantize_with_scale(x, scale, tuple(x2d.shape), fmt)
+    return quantize_with_scale(x, scale, _whole(x2d), fmt)
+
+
+def _whole(x2d: torch.Tensor) -> tuple[int, int]:
+    """Block shape covering the whole 2-D tensor (at least 1 x 1, so empty tensors work)."""
+    return max(1, x2d.shape[0]), max(1, x2d.shape[1])
 
 
 def quantize_blockwise_te(x: torch.Tensor, block: tuple[int, int], fmt: Fp8Format = "e4m3",
@@ -223,7 +231,7 @@ class DelayedScaler:
     def quantize(self, x: torch.Tensor, update: bool = True, amax: Optional[torch.Tensor] = None) -> QuantizedTensor:
         """Quantize x with the current scale, then (if update) record x's amax and refresh the scale."""
         x2d = _as_2d(x)
-        q = quantize_with_scale(x, self.scale.reshape(1, 1), tuple(x2d.shape), self.fmt)
+        q = quantize_with_scale(x, self.scale.reshape(1, 1), _whole(x2d), self.fmt)
         if update:
             if amax is None:
                 amax = tensor_amax(x2d)

@@ -127,3 +127,12 @@ def test_first_last_layers_stay_high_precision():
     assert linear_classes_for_layer(cfg, 3, 6) == (col, row)  # classes are shared per policy
     with pytest.raises(ValueError):
         layer_uses_fp8(cfg, 6, 6)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
+def test_empty_micro_batch(recipe):
+    x = torch.zeros(0, 3, K, requires_grad=True)
+    w = torch.randn(N, K, requires_grad=True)
+    y = fake_quant_linear(x, w, None, ModuleQuantizer(PrecisionConfig(recipe=recipe)))
+    y.sum().backward()
+    assert y.shape == (0, 3, N) and torch.equal(w.grad, torch.zeros_like(w))
