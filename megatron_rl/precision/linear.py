@@ -44,6 +44,8 @@ class ModuleQuantizer:
         self.grad_fmt: nx.Fp8Format = "e5m2" if cfg.fp8_format == "hybrid" else "e4m3"
         self.power_of_two = bool(cfg.power_of_two_scales)
         self.delayed: dict[str, nx.DelayedScaler] = {}
+        self.amax_group = None
+        """Delayed scaling: process group whose ranks share one scale per role (TE's reduce_amax), or None."""
         if self.recipe == "delayed":
             for role, fmt in (("input", self.fwd_fmt), ("weight", self.fwd_fmt), ("grad", self.grad_fmt)):
                 self.delayed[role] = nx.DelayedScaler(fmt, cfg.amax_history_len, cfg.amax_compute_algo, cfg.margin)
@@ -51,6 +53,10 @@ class ModuleQuantizer:
     def _per_tensor(self, role: str, x: torch.Tensor, fmt: nx.Fp8Format, update: bool, amax: Optional[torch.Tensor]) -> torch.Tensor:
         """Dequantized per-tensor quantization (delayed or current scaling)."""
         if self.recipe == "delayed":
+            if update and self.amax_group is not None:
+                local = nx.tensor_amax(x) if amax is None else amax
+                amax = local.reshape(1).clone()
+                torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_group)
             return self.delayed[role].quantize(x, update=update, amax=amax).dequantize(torch.float32)
         return nx.quantize_current(x, fmt, amax=amax).dequantize(torch.float32)
 
@@ -198,6 +204,14 @@ class _Fp8ParallelMixin:
     def _init_fp8(self) -> None:
         """Attach the per-module quantizer (delayed-scaling state lives here)."""
         self.fp8_quant = ModuleQuantizer(self.fp8_policy)
+        if self.fp8_policy.recipe == "delayed":
+            from megatron.core import parallel_state
+
+            # as megatron's get_fp8_context: TP x DP x CP ranks share delayed scales
+            if parallel_state.model_parallel_is_initialized():
+                group = parallel_state.get_amax_reduction_group(with_context_parallel=True)
+                if torch.distributed.get_world_size(group) > 1:
+                    self.fp8_quant.amax_group = group
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                       sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, **kwargs):

@@ -98,6 +98,23 @@ def _tp_worker(rank: int, world: int, port: int, results) -> None:
             # and the check is sharp: the high-precision result is far outside the tolerance
             assert (y - (torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2)[ss] if sp else
                          torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2))).abs().max() > 1e-3 * y_ref.abs().max()
+        # delayed scaling: all TP ranks share one scale per role, from the amax of the full tensor
+        dcfg = PrecisionConfig(recipe="delayed")
+        col, row = _layers(dcfg, world, True)
+        with torch.no_grad():
+            col.weight.copy_(w1[fs])
+            row.weight.copy_(w2[:, fs])
+        h, _ = col(x[ss].clone().requires_grad_())
+        y, _ = row(h)
+        y.backward(dy[ss])
+        st = col.fp8_quant.state_dict()
+        assert st["weight"]["scale"] == (torch.tensor(448.0) / w1.abs().max()).item()
+        assert st["input"]["scale"] == (torch.tensor(448.0) / x.abs().max()).item()
+        scales = torch.tensor([st[k]["scale"] for k in ("input", "weight", "grad")] +
+                              [row.fp8_quant.state_dict()[k]["scale"] for k in ("input", "weight", "grad")])
+        gathered = [torch.zeros_like(scales) for _ in range(world)]
+        torch.distributed.all_gather(gathered, scales)
+        assert all(torch.equal(g, gathered[0]) for g in gathered)
         results[rank] = "ok"
     except Exception as e:  # reported by the parent
         results[rank] = repr(e)
