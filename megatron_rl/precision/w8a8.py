@@ -13,8 +13,14 @@ from typing import Mapping, Optional
 
 import torch
 
-from megatron_rl.precision.blockwise import ScaleFmt, dequantize_blockwise, fake_quantize_activation_groups
-from megatron_rl.precision.hf_fp8 import SCALE_SUFFIX, load_fp8_checkpoint, weight_block_size
+from megatron_rl.precision.blockwise import (
+    ScaleFmt,
+    dequantize_blockwise,
+    fake_quantize_activation_groups,
+    quantize_blockwise,
+    quantize_per_channel,
+)
+from megatron_rl.precision.hf_fp8 import SCALE_SUFFIX, is_quantized_weight, load_fp8_checkpoint, weight_block_size
 
 
 class W8A8Linear(torch.nn.Module):
@@ -104,6 +110,30 @@ def load_fp8_checkpoint_into(model: torch.nn.Module, ckpt_dir: str | Path, act_g
         raise ValueError(f"{ckpt_dir} is not a block-FP8 checkpoint (no fp8 quantization_config.weight_block_size)")
     apply_fp8_state_dict(model, tensors, block, act_group)
     return model
+
+
+def convert_to_w8a8(model: torch.nn.Module, mode: str = "fp8-blockwise", scale_fmt: ScaleFmt = "fp32") -> list[str]:
+    """Quantize a high-precision HF model's transformer Linears in place (SGLang --quantization fp8 on a BF16 checkpoint).
+
+    fp8-blockwise: 128x128 weight blocks, 1x128 activation groups; fp8-channel: one scale per
+    output row, one dynamic scale per token. Returns the converted module names.
+    """
+    if mode not in ("fp8-blockwise", "fp8-channel"):
+        raise ValueError(f"mode must be fp8-blockwise or fp8-channel, got {mode!r}")
+    converted = []
+    for name, module in list(model.named_modules()):
+        if not (isinstance(module, torch.nn.Linear) and is_quantized_weight(f"{name}.weight")):
+            continue
+        w = module.weight.detach()
+        if mode == "fp8-blockwise":
+            q, s = quantize_blockwise(w, (128, 128), scale_fmt)
+            new = W8A8Linear(q, s, module.bias, (128, 128), 128, scale_fmt)
+        else:
+            q, s = quantize_per_channel(w, scale_fmt)
+            new = W8A8Linear(q, s, module.bias, (1, w.shape[1]), w.shape[1], scale_fmt)
+        _set_submodule(model, name, new.to(w.device))
+        converted.append(name)
+    return converted
 
 
 def w8a8_weights(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -143,3 +143,25 @@ def test_loading_a_non_fp8_checkpoint_fails(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError):
         load_fp8_checkpoint_into(model, tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["fp8-blockwise", "fp8-channel"])
+def test_convert_in_place_matches_reference(mode):
+    from megatron_rl.precision.w8a8 import convert_to_w8a8
+
+    model, _ = _tiny_qwen3()
+    w = model.get_submodule("model.layers.0.mlp.gate_proj").weight.detach().clone()
+    names = convert_to_w8a8(model, mode)
+    assert len(names) == 2 * len(PROJ)
+    assert not isinstance(model.get_submodule("lm_head"), W8A8Linear)
+    q, s = w8a8_weights(model)["model.layers.0.mlp.gate_proj"]
+    block = (128, 128) if mode == "fp8-blockwise" else (1, w.shape[1])
+    rq, rs = ckpt_quantize(w.numpy(), block)
+    assert np.array_equal(q.double().numpy(), rq) and np.array_equal(s.numpy(), rs)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, w.shape[1], generator=g)
+    lin = model.get_submodule("model.layers.0.mlp.gate_proj")
+    act = (1, 128) if mode == "fp8-blockwise" else (1, w.shape[1])
+    xq, xs = ckpt_quantize(x.numpy(), act)
+    want = torch.from_numpy(ckpt_dequantize(xq, xs, act)) @ torch.from_numpy(ckpt_dequantize(rq, rs, block)).t()
+    assert torch.equal(lin(x), want)
