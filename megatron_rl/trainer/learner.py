@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.parallel import state
-from megatron_rl.models.presets import resolve_architecture
+from megatron_rl.models.presets import Architecture, resolve_architecture
 from megatron_rl.trainer.logprobs import gather_cp_sequence, vocab_parallel_logprobs_entropy
 from megatron_rl.trainer.model import build_model_chunks, build_transformer_config, unwrap, wrap_ddp
 from megatron_rl.trainer.spec import layer_offset, to_cp_layout
@@ -77,8 +77,14 @@ class Learner:
         seed: int = 1234,
         total_steps: Optional[int] = None,
         init: bool = False,
+        architecture: Optional[Architecture] = None,
     ) -> None:
-        """Build model chunks, DDP, optimizer and LR schedule; `total_steps` sets the decay length of linear/cosine schedules."""
+        """Build model chunks, DDP, optimizer and LR schedule.
+
+        `total_steps` sets the decay length of linear/cosine schedules; `architecture` replaces the
+        preset resolved from `model_cfg` (e.g. one derived from an HF config); `init=True` forces
+        `init_distributed` (it is called anyway when the groups do not exist yet).
+        """
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -86,7 +92,7 @@ class Learner:
             state.init_distributed(parallel_cfg, seed)
         self.parallel_cfg = parallel_cfg
         self.precision_cfg = precision_cfg
-        self.arch = resolve_architecture(model_cfg, vocab_size)
+        self.arch = architecture if architecture is not None else resolve_architecture(model_cfg, vocab_size)
         self.config = build_transformer_config(self.arch, parallel_cfg, optim_cfg, precision_cfg)
         torch.manual_seed(seed)
         self.model = wrap_ddp(build_model_chunks(self.arch, self.config, precision_cfg), self.config, parallel_cfg)
@@ -131,6 +137,12 @@ class Learner:
         b, s = batch.input_ids.shape
         if micro_batch_size < 1 or b % micro_batch_size != 0:
             raise ValueError(f"batch of {b} rows is not divisible by micro_batch_size={micro_batch_size}")
+        n_mb = b // micro_batch_size
+        if self.parallel_cfg.virtual_pipeline_model_parallel_size and n_mb < state.pp_size():
+            raise ValueError(
+                f"{n_mb} micro-batches (batch {b} / micro_batch_size {micro_batch_size}) is fewer than "
+                f"parallel.pipeline_model_parallel_size={state.pp_size()}, which the interleaved (VPP) schedule needs"
+            )
         cp, tp = state.cp_size(), state.tp_size()
         div = 2 * cp if cp > 1 else 1
         if self.parallel_cfg.sequence_parallel:
@@ -142,7 +154,7 @@ class Learner:
         for name, t in batch.tensors().items():
             if t.dim() == 2 and tuple(t.shape) != (b, s):
                 raise ValueError(f"TrainBatch.{name} has shape {tuple(t.shape)}, expected {(b, s)}")
-        return b // micro_batch_size
+        return n_mb
 
     def _iterators(self, items: list) -> list[Iterator] | Iterator:
         """One iterator per model chunk (megatron's interleaved schedule pulls per virtual stage)."""
@@ -269,7 +281,8 @@ class Learner:
                 if m:
                     name = f"decoder.layers.{int(m.group(1)) + offset}." + name[m.end():]
                 if self.arch.tie_word_embeddings and name == "output_layer.weight":
-                    continue
+                    # The last stage's copy of a tied embedding (PP > 1): same tensor by name.
+                    name = "embedding.word_embeddings.weight"
                 yield name, param
 
     def _is_gated_fc1(self, name: str) -> bool:

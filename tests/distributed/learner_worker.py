@@ -10,7 +10,7 @@ DP rows' log-probs/entropy, the step metrics, and (rank 0) the final full state 
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from dist_report import report  # noqa: E402
 
 from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from megatron_rl.config.precision import PrecisionConfig  # noqa: E402
+from megatron_rl.models.presets import resolve_architecture  # noqa: E402
 from megatron_rl.parallel import state  # noqa: E402
 from megatron_rl.trainer.learner import Learner  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
@@ -64,6 +65,9 @@ def main() -> None:
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--mbs", type=int, default=1)
     p.add_argument("--chunk", type=int, default=5)
+    p.add_argument("--tied", action="store_true", help="tie the output layer to the embedding")
+    p.add_argument("--recipe", default="none", help="PrecisionConfig.recipe (FP8 emulation on CPU)")
+    p.add_argument("--hp-ends", type=int, default=0, help="PrecisionConfig.first_last_layers_high_precision")
     p.add_argument("--init", default=None)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -73,9 +77,12 @@ def main() -> None:
         use_distributed_optimizer=a.distopt, logprob_chunk_size=a.chunk,
     )
     state.init_distributed(pcfg, seed=11)
+    model_cfg = ModelConfig(preset="tiny", num_layers=LAYERS)
+    arch = dataclasses.replace(resolve_architecture(model_cfg, VOCAB), tie_word_embeddings=a.tied)
     learner = Learner(
-        ModelConfig(preset="tiny", num_layers=LAYERS), pcfg, OptimConfig(lr=5e-4, clip_grad=1.0),
-        PrecisionConfig(), vocab_size=VOCAB, seed=11,
+        model_cfg, pcfg, OptimConfig(lr=5e-4, clip_grad=1.0),
+        PrecisionConfig(recipe=a.recipe, first_last_layers_high_precision=a.hp_ends), vocab_size=VOCAB, seed=11,
+        architecture=arch,
     )
     out = Path(a.out)
     if a.init:
