@@ -197,3 +197,24 @@ def test_config_errors_name_fields():
         build_transformer_config(resolve_architecture(ModelConfig(), 50), ParallelConfig(tensor_model_parallel_size=4), OptimConfig(), PrecisionConfig())
     with pytest.raises(ValueError, match="world size 1"):
         state.check_world_size(ParallelConfig(tensor_model_parallel_size=2), 1)
+
+
+def test_fp8_emulation_is_per_layer_and_switchable(learner):
+    """recipe=blockwise changes log-probs; high_precision() and all-high-precision ends give the plain model's values."""
+    from megatron_rl.precision import high_precision
+
+    lrn, init = learner
+    lrn.load_full_state_dict(init)
+    batch = make_batch(3)
+    plain, _ = lrn.forward_logprobs(batch, micro_batch_size=4)
+    fp8 = Learner(ModelConfig(preset="tiny"), ParallelConfig(), OptimConfig(), PrecisionConfig(recipe="blockwise"), vocab_size=VOCAB)
+    fp8.load_full_state_dict(init)
+    quantized, _ = fp8.forward_logprobs(batch, micro_batch_size=4)
+    assert (quantized - plain).abs().max() > 1e-4
+    with high_precision():
+        shadow, _ = fp8.forward_logprobs(batch, micro_batch_size=4)
+    torch.testing.assert_close(shadow, plain, atol=1e-6, rtol=0)
+    ends = Learner(ModelConfig(preset="tiny"), ParallelConfig(), OptimConfig(),
+                   PrecisionConfig(recipe="blockwise", first_last_layers_high_precision=1), vocab_size=VOCAB)
+    ends.load_full_state_dict(init)
+    torch.testing.assert_close(ends.forward_logprobs(batch, micro_batch_size=4)[0], plain, atol=1e-6, rtol=0)
