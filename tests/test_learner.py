@@ -218,3 +218,22 @@ def test_fp8_emulation_is_per_layer_and_switchable(learner):
                    PrecisionConfig(recipe="blockwise", first_last_layers_high_precision=1), vocab_size=VOCAB)
     ends.load_full_state_dict(init)
     torch.testing.assert_close(ends.forward_logprobs(batch, micro_batch_size=4)[0], plain, atol=1e-6, rtol=0)
+
+
+def test_lr_schedule_warmup_then_linear_decay(learner):
+    """Step k uses lr(k): linear warm-up from lr/warmup, then linear decay to min_lr at total_steps."""
+    lrn0, init = learner
+    lrn = Learner(ModelConfig(preset="tiny"), ParallelConfig(), OptimConfig(lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_style="linear"),
+                  PrecisionConfig(), vocab_size=VOCAB, total_steps=5)
+    lrn.load_full_state_dict(init)
+    batch = make_batch(4)
+
+    def nll(lp, ent, mb, ctx):
+        return -(mb.token_weight * lp).sum(), {}
+
+    lrs = [lrn.train_step(batch, nll, micro_batch_size=4)["lr"] for _ in range(5)]
+    # warm-up: 1/2, 2/2 of peak; decay over the remaining 3 steps to min_lr
+    expected = [5e-3, 1e-2, 1e-3 + 9e-3 * (2 / 3), 1e-3 + 9e-3 * (1 / 3), 1e-3]
+    assert lrs == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="total_steps"):
+        Learner(ModelConfig(preset="tiny"), ParallelConfig(), OptimConfig(lr_decay_style="cosine"), PrecisionConfig(), vocab_size=VOCAB)

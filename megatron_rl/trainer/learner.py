@@ -242,9 +242,9 @@ class Learner:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(batch, micro_batch_size, builder, forward_only=False)
+        # Advance the schedule first so optimizer step k (1-based) uses lr(k): warm-up never spends a step at lr 0.
+        self.scheduler.step(increment=1)
         success, grad_norm, _ = self.optimizer.step()
-        if success:
-            self.scheduler.step(increment=1)
         self.step_count += 1
         metrics = self._reduce_metrics(outputs)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
