@@ -31,6 +31,11 @@ from megatron_rl.trainer.spec import layer_offset, to_cp_layout
 from megatron_rl.types import TrainBatch
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+# The TE spec fuses the pre-norms into the following linear; export/import always use local-spec names.
+_TE_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
 
 
 @dataclass
@@ -279,7 +284,8 @@ class Learner:
             for name, param in module.named_parameters():
                 m = _LAYER_RE.match(name)
                 if m:
-                    name = f"decoder.layers.{int(m.group(1)) + offset}." + name[m.end():]
+                    rest = _TE_FUSED_NORMS.get(name[m.end():], name[m.end():])
+                    name = f"decoder.layers.{int(m.group(1)) + offset}." + rest
                 if self.arch.tie_word_embeddings and name == "output_layer.weight":
                     # The last stage's copy of a tied embedding (PP > 1): same tensor by name.
                     name = "embedding.word_embeddings.weight"
@@ -290,7 +296,12 @@ class Learner:
         return self.config.gated_linear_unit and name.endswith("mlp.linear_fc1.weight")
 
     def gather_full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """Full (un-sharded over TP and PP) fp32 megatron-named tensors on global rank 0; None elsewhere."""
+        """Full (un-sharded over TP and PP) fp32 megatron-named tensors on global rank 0; None elsewhere.
+
+        Names are the local spec's (input_layernorm / pre_mlp_layernorm also on the TE path), layer
+        numbers are global, and a tied output layer is exported once as the embedding. Collective:
+        every rank must call it.
+        """
         tp, tp_group = state.tp_size(), state.tp_group()
         local: dict[str, torch.Tensor] = {}
         for name, param in self._local_params():
