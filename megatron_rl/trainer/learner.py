@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.parallel import state
+from megatron_rl.precision import fp8_forward_context
 from megatron_rl.models.presets import Architecture, resolve_architecture
 from megatron_rl.trainer.logprobs import gather_cp_sequence, vocab_parallel_logprobs_entropy
 from megatron_rl.trainer.model import build_model_chunks, build_transformer_config, unwrap, wrap_ddp
@@ -179,10 +180,12 @@ class Learner:
         def forward_step(data_iterator, model):
             """Feed one micro-batch; on the last stage the loss closure turns logits into (loss, count, metrics)."""
             index, mb = next(data_iterator)
-            ids = to_cp_layout(mb.input_ids, cp, cp_rank)
-            pos = to_cp_layout(torch.arange(seq).unsqueeze(0).expand(mb.batch_size, -1), cp, cp_rank)
             device = next(model.parameters()).device
-            output = model(ids.to(device), pos.to(device), None)
+            mb = mb.with_fields(**{k: v.to(device) for k, v in mb.tensors().items()})
+            ids = to_cp_layout(mb.input_ids, cp, cp_rank)
+            pos = to_cp_layout(torch.arange(seq, device=device).unsqueeze(0).expand(mb.batch_size, -1), cp, cp_rank)
+            with fp8_forward_context(self.precision_cfg, self.config):
+                output = model(ids, pos, None)
             return output, lambda logits: loss_builder(logits, index, n_mb, mb)
 
         return get_forward_backward_func()(

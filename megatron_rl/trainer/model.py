@@ -68,25 +68,14 @@ def build_transformer_config(
         batch_p2p_comm=on_gpu or vpp is None,
         deallocate_pipeline_outputs=on_gpu,
     )
-    if on_gpu and precision_cfg.fp8_enabled:
-        kwargs.update(precision_kwargs_for_te(precision_cfg))
+    if on_gpu:
+        # FP8 on GPU is Transformer Engine's, configured through TransformerConfig (precision/te.py).
+        from megatron_rl.precision.te import transformer_config_kwargs as te_fp8_kwargs
+
+        kwargs.update(te_fp8_kwargs(precision_cfg))
     config = TransformerConfig(**kwargs)
     config.finalize_model_grads_func = finalize_grads_sum_form
     return config
-
-
-def precision_kwargs_for_te(precision_cfg: PrecisionConfig) -> dict[str, Any]:
-    """TransformerConfig FP8 fields for Transformer Engine (GPU path)."""
-    out: dict[str, Any] = dict(fp8=precision_cfg.fp8_format, fp8_recipe=precision_cfg.recipe)
-    if precision_cfg.recipe == "delayed":
-        out.update(fp8_amax_history_len=precision_cfg.amax_history_len,
-                   fp8_amax_compute_algo=precision_cfg.amax_compute_algo, fp8_margin=precision_cfg.margin)
-    if precision_cfg.first_last_layers_high_precision:
-        n = precision_cfg.first_last_layers_high_precision
-        out.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=n, num_layers_at_end_in_bf16=n)
-    if precision_cfg.fp8_params:
-        out.update(fp8_param=True)
-    return out
 
 
 def build_model_chunks(arch: Architecture, config: Any, precision_cfg: PrecisionConfig) -> list[torch.nn.Module]:
