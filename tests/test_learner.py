@@ -157,6 +157,8 @@ def test_state_dict_roundtrip_and_errors(learner):
     for k in init:
         torch.testing.assert_close(back[k], changed[k], atol=0, rtol=0)
     assert "output_layer.weight" in back and back["decoder.layers.1.mlp.linear_fc1.weight"].shape == (256, 64)
+    assert {k: tuple(v.shape) for k, v in back.items()} == lrn.expected_full_shapes()
+    assert sum(v.numel() for v in back.values()) == lrn.arch.num_parameters()
     with pytest.raises(KeyError, match="decoder.final_layernorm.weight"):
         lrn.load_full_state_dict({k: v for k, v in init.items() if k != "decoder.final_layernorm.weight"})
     bad = dict(init)

@@ -61,6 +61,27 @@ class Architecture:
         return self.num_layers * per_layer + embed + h + (0 if self.tie_word_embeddings else embed)
 
 
+def megatron_param_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
+    """Full (un-sharded) shapes of every megatron parameter, by the local-spec names the Learner exports."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (arch.vocab_size, h)}
+    for i in range(arch.num_layers):
+        p = f"decoder.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attention.linear_qkv.weight"] = ((arch.num_attention_heads + 2 * arch.num_query_groups) * d, h)
+        if arch.qk_layernorm:
+            shapes[p + "self_attention.q_layernorm.weight"] = (d,)
+            shapes[p + "self_attention.k_layernorm.weight"] = (d,)
+        shapes[p + "self_attention.linear_proj.weight"] = (h, arch.num_attention_heads * d)
+        shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+        shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
+        shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+    shapes["decoder.final_layernorm.weight"] = (h,)
+    if not arch.tie_word_embeddings:
+        shapes["output_layer.weight"] = (arch.vocab_size, h)
+    return shapes
+
+
 PRESETS: dict[str, Architecture] = {
     a.name: a
     for a in (

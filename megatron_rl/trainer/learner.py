@@ -25,7 +25,7 @@ from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.parallel import state
 from megatron_rl.precision import fp8_forward_context
-from megatron_rl.models.presets import Architecture, resolve_architecture
+from megatron_rl.models.presets import Architecture, megatron_param_shapes, resolve_architecture
 from megatron_rl.trainer.logprobs import gather_cp_sequence, vocab_parallel_logprobs_entropy
 from megatron_rl.trainer.model import build_model_chunks, build_transformer_config, unwrap, wrap_ddp
 from megatron_rl.trainer.spec import layer_offset, to_cp_layout
@@ -357,12 +357,5 @@ class Learner:
         self.optimizer.reload_model_params()
 
     def expected_full_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Full shapes of every megatron-named tensor of the model (for mapping checks)."""
-        tp = state.tp_size()
-        shapes = {}
-        for name, param in self._local_params():
-            shape = list(param.shape)
-            if tp > 1 and getattr(param, "tensor_model_parallel", False):
-                shape[param.partition_dim] *= tp
-            shapes[name] = tuple(shape)
-        return shapes
+        """Full shapes of every megatron-named tensor of the whole model (all stages; no communication)."""
+        return megatron_param_shapes(self.arch)

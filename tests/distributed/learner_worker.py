@@ -101,7 +101,8 @@ def main() -> None:
     final = learner.gather_full_state_dict()
     rank = state.global_rank()
     torch.save({"rows": (rows.start, rows.stop), "logprobs": lp, "entropy": ent, "logprobs_after": lp_after,
-                "steps": steps, "final": final}, out / f"rank{rank}.pt")
+                "steps": steps, "final": final,
+                "expected_shapes": learner.expected_full_shapes()}, out / f"rank{rank}.pt")
     report({"rank": rank, "dp_rank": r, "steps": steps})
     state.destroy_distributed()
 

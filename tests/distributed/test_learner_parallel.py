@@ -62,6 +62,7 @@ def _assert_matches(results, ref):
                 assert abs(step[k] - v) <= TOL * max(1.0, abs(v)), f"metric {k}: {step[k]} vs reference {v}"
     final = results[0]["final"]
     assert final is not None and set(final) == set(ref["final"])
+    assert {k: tuple(v.shape) for k, v in final.items()} == results[0]["expected_shapes"]
     for name, t in ref["final"].items():
         torch.testing.assert_close(final[name], t, atol=WEIGHT_TOL, rtol=0, msg=name)
     assert all(r["final"] is None for r in results[1:])
