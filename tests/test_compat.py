@@ -101,3 +101,10 @@ def test_disable_restores_originals():
         compat.enable_cpu_compat()
     assert torch.cuda.current_device is not patched or torch.cuda.current_device() == torch.device("cpu")
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+
+
+def test_mode_can_be_suspended(enabled):
+    """Inside compat_mode_suspended() torch behaves natively; the mode is back afterwards."""
+    with compat.compat_mode_suspended():
+        assert torch.ones(1).type() == "torch.FloatTensor"
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"

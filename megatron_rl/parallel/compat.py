@@ -22,8 +22,9 @@ upgrade removes or changes one of them):
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -55,6 +56,7 @@ class _CudaToCpuMode(TorchFunctionMode):
     """Redirects CUDA device requests to the CPU (patch 3 of the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        """Rewrite CUDA device arguments to cpu, then call `func`."""
         kwargs = kwargs or {}
         if func is _TENSOR_CUDA or func is _TENSOR_PIN:
             return args[0]
@@ -168,3 +170,17 @@ def disable_cpu_compat() -> None:
     for (_, name), (owner, original) in _STATE["originals"].items():
         setattr(owner, name, original)
     _STATE.update(enabled=False, mode=None, originals={})
+
+
+@contextlib.contextmanager
+def compat_mode_suspended() -> Iterator[None]:
+    """Lift the TorchFunctionMode for the block (it costs ~10 us per torch call; e.g. HF generation on a learner rank)."""
+    mode = _STATE["mode"]
+    if mode is None:
+        yield
+        return
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
