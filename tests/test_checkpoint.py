@@ -25,11 +25,11 @@ warnings.filterwarnings("ignore", category=UserWarning)
 VOCAB, B, S = 50, 4, 12
 
 
-def make_learner(seed: int, distopt: bool = False) -> Learner:
+def make_learner(seed: int, distopt: bool = False, dtype: str = "fp32") -> Learner:
     """A world-1 tiny learner with a warm-up + cosine schedule (so the scheduler state matters)."""
     return Learner(
         ModelConfig(preset="tiny"), ParallelConfig(logprob_chunk_size=5, use_distributed_optimizer=distopt),
-        OptimConfig(lr=1e-2, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=1e-3, clip_grad=1.0),
+        OptimConfig(lr=1e-2, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=1e-3, clip_grad=1.0, params_dtype=dtype),
         PrecisionConfig(), vocab_size=VOCAB, seed=seed, total_steps=10,
     )
 
@@ -86,10 +86,11 @@ def assert_same_state(a, b):
         assert_same_state(x, y)
 
 
-@pytest.mark.parametrize("distopt", [False, True], ids=["ddp", "distopt"])
-def test_round_trip_and_bitwise_resumption(distopt, tmp_path):
-    """Load after the weights moved on restores weights, Adam state, schedule and RNG; step 2 then repeats bitwise."""
-    a = make_learner(seed=3, distopt=distopt)
+@pytest.mark.parametrize("distopt,dtype", [(False, "fp32"), (True, "fp32"), (False, "bf16"), (True, "bf16")],
+                         ids=["ddp", "distopt", "ddp_bf16", "distopt_bf16"])
+def test_round_trip_and_bitwise_resumption(distopt, dtype, tmp_path):
+    """Load after the weights moved on restores weights, Adam state (+ fp32 main params), schedule and RNG; step 2 then repeats bitwise."""
+    a = make_learner(seed=3, distopt=distopt, dtype=dtype)
     a.train_step(make_batch(0), loss_fn, 2)
     random.seed(5)
     rl_state = {"step": 1, "cursor": 17, "weight_version": 1, "py_rng": random.getstate(), "t": torch.arange(3)}
@@ -111,7 +112,7 @@ def test_round_trip_and_bitwise_resumption(distopt, tmp_path):
     assert_same_state(weights(a), ref_w)
 
     # A fresh learner with other initial weights and no optimizer state resumes identically too.
-    b = make_learner(seed=99, distopt=distopt)
+    b = make_learner(seed=99, distopt=distopt, dtype=dtype)
     assert not torch.equal(weights(b)["output_layer.weight"], saved_w["output_layer.weight"])
     ckpt.load_checkpoint(b, str(tmp_path))
     assert_same_state(adam_state(b), saved_adam)

@@ -131,7 +131,8 @@ def _sharding_metadata(distributed_optimizer: bool) -> dict[str, Any]:
     from megatron.core import parallel_state as mpu
 
     meta: dict[str, Any] = {
-        # Per-layer tensors stacked along a global layer axis: what lets PP/VPP reshard.
+        # megatron's torch_dist layouts as of 0.14+: per-layer tensors stacked on a global layer axis
+        # (reshards over PP/VPP) and optimizer keys without a chained_<i> prefix.
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
         # TE layers (GPU spec) read this group when they build their sharded state.
@@ -436,7 +437,7 @@ def _resolve(path: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(learner: Any, path: str, load_optimizer: bool = True, load_rng: bool = True) -> dict:
-    """Collective: load a checkpoint (any parallel layout) into `learner`; returns the saved rl_state."""
+    """Collective: load a checkpoint (a step dir, or the newest under a root; any parallel layout) into `learner`; returns rl_state."""
     from megatron.core import dist_checkpointing
 
     ckpt = _resolve(path)

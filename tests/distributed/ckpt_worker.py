@@ -67,13 +67,16 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--sp", action="store_true")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--weights-only", action="store_true", help="load without optimizer state")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     pcfg = ParallelConfig(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
-                          virtual_pipeline_model_parallel_size=a.vpp, use_distributed_optimizer=a.distopt)
+                          virtual_pipeline_model_parallel_size=a.vpp, context_parallel_size=a.cp,
+                          sequence_parallel=a.sp, use_distributed_optimizer=a.distopt)
     seed = 11 if a.mode == "save" else 12
     state.init_distributed(pcfg, seed=seed)
     learner = Learner(
