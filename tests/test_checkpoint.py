@@ -153,6 +153,7 @@ def test_crash_mid_save_is_never_returned(tmp_path, monkeypatch):
     good = ckpt.save_checkpoint(a, str(tmp_path), step=1, rl_state={"step": 1})
 
     def crash(*args, **kwargs):
+        """Stand-in for _publish: dies after every rank wrote its shards."""
         raise RuntimeError("simulated crash before COMPLETE")
 
     monkeypatch.setattr(ckpt, "_publish", crash)
@@ -199,3 +200,12 @@ def test_optimizer_kind_mismatch_is_explicit(tmp_path):
         ckpt.load_checkpoint(b, path)
     ckpt.load_checkpoint(b, path, load_optimizer=False)
     assert_same_state(weights(b), weights(a))
+
+
+def test_architecture_mismatch_is_explicit(tmp_path):
+    """A checkpoint of another architecture is refused with the differing fields named."""
+    a = make_learner(seed=3)
+    path = ckpt.save_checkpoint(a, str(tmp_path), step=1, rl_state={})
+    other = Learner(ModelConfig(preset="tiny", num_layers=4), ParallelConfig(), OptimConfig(), PrecisionConfig(), vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="num_layers"):
+        ckpt.load_checkpoint(other, path)

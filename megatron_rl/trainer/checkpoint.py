@@ -143,6 +143,11 @@ def _sharding_metadata(distributed_optimizer: bool) -> dict[str, Any]:
     return meta
 
 
+def _arch_fields(learner: Any) -> dict[str, Any]:
+    """The learner's architecture as plain JSON values (recorded on save, compared on load)."""
+    return {k: v for k, v in vars(learner.arch).items() if isinstance(v, (int, float, str, bool, type(None)))}
+
+
 def _model_keys(learner: Any) -> list[str]:
     """megatron's naming of chunk state dicts: 'model', or 'model<i>' per virtual stage."""
     return ["model"] if len(learner.model) == 1 else [f"model{i}" for i in range(len(learner.model))]
@@ -336,7 +341,7 @@ def save_checkpoint(learner: Any, ckpt_root: str, step: int, rl_state: dict, kee
             "has_optimizer": with_optimizer,
             "distrib_optim_sharding_type": DISTOPT_SHARDING if learner.parallel_cfg.use_distributed_optimizer else None,
             "model_keys": _model_keys(learner),
-            "arch": {k: v for k, v in vars(learner.arch).items() if isinstance(v, (int, float, str, bool, type(None)))},
+            "arch": _arch_fields(learner),
             "saved_at": time.time(),
         }
         _publish(tmp, final, meta, rl_state)
@@ -450,6 +455,10 @@ def load_checkpoint(learner: Any, path: str, load_optimizer: bool = True, load_r
             f"{ckpt} was saved with use_distributed_optimizer={meta['layout']['use_distributed_optimizer']} and this "
             f"learner uses {distopt}: optimizer state cannot be converted; pass load_optimizer=False to load weights only"
         )
+    arch = _arch_fields(learner)
+    diff = {k: (v, arch[k]) for k, v in meta.get("arch", {}).items() if k in arch and arch[k] != v}
+    if diff:
+        raise ValueError(f"{ckpt} holds another architecture; (checkpoint, learner) values: {diff}")
     metadata = _sharding_metadata(distopt)
     if distopt and meta.get("distrib_optim_sharding_type"):
         metadata["distrib_optim_sharding_type"] = meta["distrib_optim_sharding_type"]

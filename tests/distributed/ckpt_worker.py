@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--sp", action="store_true")
     p.add_argument("--distopt", action="store_true")
+    p.add_argument("--tied", action="store_true", help="tied embeddings: qwen3-0.6b shapes shrunk to hidden 64")
     p.add_argument("--weights-only", action="store_true", help="load without optimizer state")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
@@ -80,7 +81,8 @@ def main() -> None:
     seed = 11 if a.mode == "save" else 12
     state.init_distributed(pcfg, seed=seed)
     learner = Learner(
-        ModelConfig(preset="tiny", num_layers=LAYERS), pcfg,
+        ModelConfig(preset="qwen3-0.6b", num_layers=LAYERS, hidden_size=64, max_seq_len=64) if a.tied
+        else ModelConfig(preset="tiny", num_layers=LAYERS), pcfg,
         OptimConfig(lr=5e-4, clip_grad=1.0, lr_warmup_steps=3, lr_decay_style="cosine", min_lr=1e-5),
         PrecisionConfig(), vocab_size=VOCAB, seed=seed, total_steps=10,
     )

@@ -28,6 +28,8 @@ LAYOUTS = {
     "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]),
     "cp2": (2, ["--cp", "2"]),
     "tp2_sp": (2, ["--tp", "2", "--sp"]),
+    "pp2_tied": (2, ["--pp", "2", "--tied"]),
+    "tp1_tied": (1, ["--tied"]),
     "dp1_distopt": (1, ["--distopt"]),
     "dp2_distopt": (2, ["--distopt"]),
     "pp2_distopt": (2, ["--pp", "2", "--distopt"]),
@@ -88,6 +90,8 @@ CASES = [
     pytest.param("tp2_dp2_distopt", "pp2_distopt", id="tp2_dp2_distopt->pp2_distopt", marks=pytest.mark.slow),
     pytest.param("cp2", "tp2_sp", id="cp2->tp2_sp", marks=pytest.mark.slow),
     pytest.param("dp2_distopt", "dp2_distopt", id="dp2_distopt->same", marks=pytest.mark.slow),
+    # Tied embeddings: under PP the last stage holds a copy of the embedding as its output layer.
+    pytest.param("pp2_tied", "tp1_tied", id="pp2_tied->tp1_tied", marks=pytest.mark.slow),
 ]
 
 
