@@ -57,6 +57,8 @@ class TrainBatch:
     """[B, S] learner log-probs before the update (pi_old, FP8 forward)."""
     old_logprobs_hp: Optional[torch.Tensor] = None
     """[B, S] high-precision shadow pi_old (calibration steps only)."""
+    logprobs_hp: Optional[torch.Tensor] = None
+    """[B, S] high-precision shadow log-probs of the current policy, taken just before the update (calibration steps only)."""
     ref_logprobs: Optional[torch.Tensor] = None
     """[B, S] reference-policy log-probs (only when a KL term is on)."""
     token_weight: Optional[torch.Tensor] = None

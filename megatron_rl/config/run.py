@@ -1,5 +1,8 @@
 """The run config (all sections) and the only place that parses: YAML files plus dotted overrides.
 
+A YAML file may start with `base: other.yaml` (relative path): the other file is loaded first and
+this one is merged over it, section by section.
+
     cfg = load_config("examples/configs/tiny_grpo.yaml", ["train.steps=5", "algo.calibration.enabled=true"])
 
 Unknown keys, wrong types and invalid values raise ConfigError naming the dotted key.
@@ -82,21 +85,40 @@ def apply_override(tree: dict, override: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A YAML config with its `base:` chain merged underneath (paths relative to the file)."""
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: circular 'base:' chain")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    base = loaded.pop("base", None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: 'base' must be a path to another config file")
+    return _deep_merge(_read_yaml(path.parent / base, seen + (path.resolve(),)), loaded)
+
+
 def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> RunConfig:
     """Build a RunConfig from an optional YAML file and dotted overrides (applied in order)."""
     tree: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
-        tree = loaded
+        tree = _read_yaml(path)
         source = str(path)
     overrides = list(overrides)
     for item in overrides:

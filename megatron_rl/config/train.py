@@ -47,8 +47,12 @@ class SftConfig(StrictConfig):
     """Sequences per micro-batch on each data-parallel rank."""
     lr: float = 3e-3
     """Learning rate (constant)."""
+    clip_grad: float = 0.0
+    """Global gradient-norm clip of the warm start (0 disables; clipping at 1.0 stalls the tiny model's SFT)."""
     output_dir: Optional[str] = None
     """Where the SFT checkpoint and HF export go (default <run_dir>/sft)."""
+    high_precision: bool = True
+    """Train the warm start without FP8, as the BF16 base model an FP8 RL run starts from would be."""
 
 
 class CheckpointConfig(StrictConfig):

@@ -33,11 +33,16 @@ def get_task(name: str) -> TaskGenerator:
 
 @register_task("addition")
 def addition(rng: random.Random, opts: dict) -> PromptRow:
-    """'a+b=' with a, b having between min_digits and max_digits digits; answer is the decimal sum."""
+    """'a+b=' with a, b uniform over the integers of min_digits..max_digits digits; answer is the decimal sum.
+
+    Values (not digit counts) are uniform, so a held-out set and a de-duplicated training set
+    drawn from the same generator follow the same distribution.
+    """
     lo, hi = int(opts.get("min_digits", 1)), int(opts.get("max_digits", 3))
-    da, db = rng.randint(lo, hi), rng.randint(lo, hi)
-    a = rng.randint(10 ** (da - 1) if da > 1 else 0, 10**da - 1)
-    b = rng.randint(10 ** (db - 1) if db > 1 else 0, 10**db - 1)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"addition: need 1 <= min_digits <= max_digits, got {lo}, {hi}")
+    smallest = 10 ** (lo - 1) if lo > 1 else 0
+    a, b = rng.randint(smallest, 10**hi - 1), rng.randint(smallest, 10**hi - 1)
     return PromptRow(prompt=f"{a}+{b}=", answer=str(a + b), meta={"task": "addition"})
 
 

@@ -192,6 +192,8 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = 
 
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model_path {path!r} is not a directory with a config.json")
+    if _is_fp8_checkpoint(path):
+        return _load_fp8_model(path, dtype)
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                        output_loading_info=True)
     if strict:
@@ -205,6 +207,29 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = 
             detail = "; ".join(f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items())
             raise ValueError(f"checkpoint {path!r} does not match its config.json ({detail})")
     return model.eval()
+
+
+def _is_fp8_checkpoint(path: str) -> bool:
+    """True when config.json declares an FP8 quantization_config (as SGLang reads it)."""
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        qc = json.load(f).get("quantization_config") or {}
+    return qc.get("quant_method") == "fp8"
+
+
+def _load_fp8_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """Build the architecture from config.json and load the FP8 checkpoint with W8A8 emulation (strict)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_rl.precision.w8a8 import load_fp8_checkpoint_into
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    # The quantization is ours to emulate; transformers' own FP8 integration needs a GPU.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return load_fp8_checkpoint_into(model, path).eval()
 
 
 def load_tokenizer(path: str):

@@ -1,0 +1,132 @@
+"""`megatron-rl` command line: train, sft, serve, data, convert, config.
+
+    megatron-rl train examples/configs/tiny_fp8_grpo.yaml [dotted.key=value ...]
+    torchrun --nproc-per-node 2 -m megatron_rl.cli train CONFIG parallel.tensor_model_parallel_size=2
+    megatron-rl sft CONFIG          # supervised warm start only
+    megatron-rl serve --model-path DIR --port 30000   # embedded SGLang-protocol rollout server
+    megatron-rl data CONFIG         # write the synthetic task's JSONL + tokenizer
+    megatron-rl convert hf-to-fp8 SRC DST             # FP8 blockwise HF checkpoint for SGLang
+    megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, applied in order")
+
+
+def _load(args):
+    from megatron_rl.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def cmd_train(args) -> int:
+    """RL training (runs the warm start first when the config has no init checkpoint)."""
+    from megatron_rl.loop import run
+
+    run(_load(args))
+    return 0
+
+
+def cmd_sft(args) -> int:
+    """Supervised warm start only."""
+    from megatron_rl.parallel import state
+    from megatron_rl.runtime import load_datasets
+    from megatron_rl.warm_start import ensure_warm_start
+
+    cfg = _load(args)
+    state.init_distributed(cfg.parallel, cfg.train.seed)
+    run_dir = Path(cfg.run_dir)
+    tokenizer, train_rows, _ = load_datasets(cfg, run_dir)
+    print(ensure_warm_start(cfg, run_dir, tokenizer, train_rows))
+    return 0
+
+
+def cmd_data(args) -> int:
+    """Write task data and tokenizer into <run_dir>/data."""
+    from megatron_rl.data.prepare import prepare_task_data
+
+    cfg = _load(args)
+    for name, path in prepare_task_data(cfg.data, Path(cfg.run_dir) / "data").items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    """Print the resolved config (YAML) or, with --fields, every field and its one-line doc."""
+    import yaml
+
+    from megatron_rl.config import RunConfig
+
+    if args.fields:
+        _print_fields(RunConfig, "")
+        return 0
+    print(yaml.safe_dump(_load(args).model_dump(mode="json"), sort_keys=False))
+    return 0
+
+
+def _print_fields(model, prefix: str) -> None:
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            _print_fields(ann, f"{prefix}{name}.")
+        else:
+            print(f"{prefix}{name} = {field.default!r}  # {field.description or ''}")
+
+
+def cmd_convert(args) -> int:
+    """Checkpoint conversion: hf-to-fp8 (blockwise FP8 HF checkpoint with quantization_config)."""
+    from megatron_rl.tools_convert import hf_to_fp8
+
+    if args.kind == "hf-to-fp8":
+        print(hf_to_fp8(args.src, args.dst, scale_fmt=args.scale_fmt))
+        return 0
+    raise SystemExit(f"unknown conversion {args.kind!r}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the `megatron-rl` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        from megatron_rl.rollout.server import main as serve_main
+
+        return serve_main(argv[1:]) or 0
+    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn in (("train", cmd_train), ("sft", cmd_sft), ("data", cmd_data)):
+        p = sub.add_parser(name, help=fn.__doc__)
+        _add_config_args(p)
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("config", help=cmd_config.__doc__)
+    _add_config_args(p)
+    p.add_argument("--fields", action="store_true", help="list every config field with its documentation")
+    p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("convert", help=cmd_convert.__doc__)
+    p.add_argument("kind", choices=["hf-to-fp8"])
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--scale-fmt", default="fp32", choices=["fp32", "ue8m0"])
+    p.set_defaults(fn=cmd_convert)
+    sub.add_parser("serve", help="embedded SGLang-protocol rollout server (see --help after 'serve')")
+    args = parser.parse_args(argv)
+    from megatron_rl.config import ConfigError
+    from megatron_rl.data.jsonl import DataFormatError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, DataFormatError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

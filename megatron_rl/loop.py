@@ -1,0 +1,131 @@
+"""The RL loop: one step = rollout -> reward -> advantages -> log-probs -> train -> weight sync.
+
+Every learner rank runs this function (torchrun); the controller (global rank 0) also talks to the
+rollout engines over HTTP, scores rewards and broadcasts the step's batch. Run it with
+`megatron-rl train examples/configs/tiny_fp8_grpo.yaml`.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from megatron_rl.algo.metrics import add_sums, finalize_metrics
+from megatron_rl.config import RunConfig
+from megatron_rl.parallel import state
+from megatron_rl.parallel.comm import broadcast_from_controller, reduce_loss_sums
+from megatron_rl.phases import batching, logprobs, reward, rollout, weights
+from megatron_rl.phases.loss import RLLoss
+from megatron_rl.runtime import RunSession, open_session, save
+from megatron_rl.tracking import MetricsWriter, Timers
+from megatron_rl.tracking.report import Progress, print_summary
+
+
+def prompts_for_step(session: RunSession, step: int):
+    """The step's prompts: consecutive slices of a per-epoch seeded shuffle (resume-safe)."""
+    rows, per_step = session.train_rows, session.cfg.train.prompts_per_step
+    first = step * per_step
+    out = []
+    for k in range(first, first + per_step):
+        epoch, offset = divmod(k, len(rows))
+        perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(session.cfg.data.seed + epoch))
+        out.append(rows[int(perm[offset])])
+    return out
+
+
+def evaluate(session: RunSession) -> float:
+    """Held-out greedy accuracy through the rollout engines (controller; nan elsewhere)."""
+    if not state.is_controller():
+        return math.nan
+    rows = session.eval_rows[: session.cfg.train.eval_max_prompts]
+    return rollout.greedy_accuracy(session.client, session.tokenizer, rows, session.reward_fn,
+                                   session.cfg.rollout.sampling.max_new_tokens)
+
+
+def controller_rollout(session: RunSession, step: int, timers: Timers):
+    """Controller: generate, score, compute advantages, pad into the step's TrainBatch."""
+    cfg = session.cfg
+    with timers("rollout"):
+        samples = rollout.generate_samples(session.client, session.tokenizer, prompts_for_step(session, step),
+                                           cfg.rollout, seed=cfg.rollout.seed * 1_000_003 + step)
+    with timers("reward"):
+        metrics = {**samples.stats, **reward.score(samples, session.reward_fn, cfg.algo, cfg.rollout.sampling.max_new_tokens)}
+    with timers("advantages"):
+        adv, _, adv_metrics = reward.advantages(samples, cfg.algo)
+        batch = batching.build_train_batch(samples.samples, adv, session.tokenizer.pad_token_id,
+                                           batching.seq_multiple(cfg.parallel), session.learner.arch.max_seq_len)
+    return batch, {**metrics, **adv_metrics}, samples.samples[: cfg.tracking.log_samples]
+
+
+def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dict:
+    """Old log-probs (+ shadow), then PPO epochs over mini-batches; returns finalized metrics."""
+    cfg, learner, clipper = session.cfg, session.learner, session.clipper
+    calibrating = clipper is not None and clipper.is_calibration_step(step) and cfg.algo.calibration.target_source == "shadow"
+    with timers("logprobs"):
+        batch, metrics = logprobs.old_logprobs(learner, batch, cfg.train.micro_batch_size, shadow=calibrating,
+                                               reference=session.reference)
+    sums, learner_metrics, micro_batches = None, {}, 0
+    with timers("train"):
+        if clipper is not None:
+            clipper.begin_step(step)
+        for epoch in range(cfg.train.ppo_epochs):
+            for mb in batching.minibatches(batch, cfg.train.num_minibatches, seed=cfg.train.seed * 7919 + step * 31 + epoch):
+                mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode), state.dp_rank(), state.dp_size())
+                if calibrating:
+                    mb = mb.with_fields(logprobs_hp=logprobs.current_logprobs_hp(learner, mb, cfg.train.micro_batch_size))
+                loss_fn = RLLoss(cfg.algo, clipper, step, first_micro_batch=micro_batches)
+                out = learner.train_step(mb, loss_fn, cfg.train.micro_batch_size)
+                micro_batches += mb.batch_size // cfg.train.micro_batch_size
+                sums = add_sums(sums, loss_fn.sums or {})
+                learner_metrics = add_sums(learner_metrics, {k: _t(v) for k, v in out.items()})
+    n_updates = cfg.train.ppo_epochs * cfg.train.num_minibatches
+    metrics.update(finalize_metrics(reduce_loss_sums(sums), cfg.algo.ratio_hist_log_range))
+    metrics.update({f"learner/{k}": float(v) / n_updates for k, v in learner_metrics.items()})
+    if clipper is not None:
+        metrics.update(clipper.metrics())
+    return metrics
+
+
+def run(cfg: RunConfig) -> dict:
+    """Run (or resume) the RL job described by `cfg`; returns the summary on the controller."""
+    session = open_session(cfg)
+    timers, is_controller = Timers(), state.is_controller()
+    writer = MetricsWriter(session.run_dir, cfg.tracking.jsonl, cfg.tracking.tensorboard,
+                           resume_step=session.start_step if session.start_step else None) if is_controller else None
+    start_wall = time.perf_counter()
+    try:
+        weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step)
+        eval_before = session.rl_state.get("eval_before", evaluate(session)) if session.start_step else evaluate(session)
+        progress = Progress(cfg.train.steps, session.start_step, enabled=is_controller and cfg.tracking.progress_bar)
+        for step in range(session.start_step, cfg.train.steps):
+            batch, metrics, shown = controller_rollout(session, step, timers) if is_controller else (None, {}, [])
+            batch = broadcast_from_controller(batch)
+            metrics.update(train_on_batch(session, batch, step, timers))
+            with timers("weight_sync"):
+                metrics.update(weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=step + 1))
+            if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
+                metrics["accuracy/eval"] = evaluate(session)
+            metrics.update(timers.pop())
+            if is_controller:
+                writer.write(step, {**metrics, "samples": [s.response_text for s in shown]})
+                progress.update(metrics)
+            if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 and step + 1 < cfg.train.steps:
+                save(session, step, {"eval_before": eval_before})
+        progress.close()
+        eval_after = evaluate(session)
+        save(session, cfg.train.steps - 1, {"eval_before": eval_before, "eval_after": eval_after})
+        if not is_controller:
+            return {}
+        writer.close()
+        from megatron_rl.tracking import read_metrics
+
+        text = print_summary(read_metrics(writer.path), eval_before, eval_after, time.perf_counter() - start_wall)
+        (session.run_dir / "summary.txt").write_text(text + "\n")
+        return {"eval_before": eval_before, "eval_after": eval_after, "summary": text}
+    finally:
+        session.close()
+
+
+def _t(v) -> torch.Tensor:
+    return torch.as_tensor(float(v), dtype=torch.float64)

@@ -1,0 +1,82 @@
+"""Samples -> padded TrainBatch, and the split of a step's batch into mini-batches and DP shards.
+
+Every rank holds the same global batch (the controller broadcasts it), so mini-batch membership,
+shards and the global token counts of the aggregation weights are computed locally and agree.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_rl.algo.aggregation import count_tokens_and_seqs, token_weights
+from megatron_rl.config.model import ParallelConfig
+from megatron_rl.types import Sample, TrainBatch
+
+
+def build_train_batch(samples: Sequence[Sample], advantages: torch.Tensor, pad_id: int, seq_multiple: int = 1,
+                      max_seq_len: int | None = None) -> TrainBatch:
+    """Right-padded [B, S] batch; S is the longest prompt+response minus one, rounded up to `seq_multiple`."""
+    if len(samples) != len(advantages):
+        raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
+    lengths = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]
+    seq = max(max(lengths), 1)
+    seq = -(-seq // seq_multiple) * seq_multiple
+    if max_seq_len is not None and seq > max_seq_len:
+        raise ValueError(f"a prompt+response of {seq} tokens exceeds the model's max_seq_len={max_seq_len}; "
+                         "lower rollout.sampling.max_new_tokens or use shorter prompts")
+    b = len(samples)
+    input_ids = torch.full((b, seq), pad_id, dtype=torch.long)
+    labels = torch.full((b, seq), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(b, seq)
+    adv = torch.zeros(b, seq)
+    rollout_lp = torch.zeros(b, seq)
+    for i, s in enumerate(samples):
+        tokens = list(s.prompt_ids) + list(s.response_ids)
+        n = len(tokens) - 1
+        input_ids[i, :n] = torch.tensor(tokens[:-1])
+        labels[i, :n] = torch.tensor(tokens[1:])
+        start = len(s.prompt_ids) - 1
+        r = len(s.response_ids)
+        if r:
+            loss_mask[i, start:start + r] = 1.0
+            adv[i, start:start + r] = float(advantages[i])
+            rollout_lp[i, start:start + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    return TrainBatch(input_ids=input_ids, labels=labels, loss_mask=loss_mask, advantages=adv,
+                      rollout_logprobs=rollout_lp, sample_index=torch.arange(b))
+
+
+def check_divisible(num_rows: int, dp_size: int, num_minibatches: int, micro_batch_size: int) -> None:
+    """Raise a clear error when the step's rows cannot split into mini-batches, DP shards and micro-batches."""
+    unit = dp_size * num_minibatches * micro_batch_size
+    if num_rows % unit != 0:
+        raise ValueError(
+            f"train.prompts_per_step * rollout.n_samples_per_prompt = {num_rows} samples must be divisible by "
+            f"data-parallel size ({dp_size}) * train.num_minibatches ({num_minibatches}) * train.micro_batch_size ({micro_batch_size}) = {unit}"
+        )
+
+
+def minibatches(batch: TrainBatch, num_minibatches: int, seed: int) -> list[TrainBatch]:
+    """Shuffle rows (same permutation on every rank) and cut them into equal mini-batches."""
+    perm = torch.randperm(batch.batch_size, generator=torch.Generator().manual_seed(seed))
+    size = batch.batch_size // num_minibatches
+    return [batch.select(perm[k * size:(k + 1) * size]) for k in range(num_minibatches)]
+
+
+def with_token_weights(batch: TrainBatch, mode: str, max_response_length: int | None = None) -> TrainBatch:
+    """Attach aggregation weights computed over the whole (global) mini-batch."""
+    tokens, seqs = count_tokens_and_seqs(batch.loss_mask)
+    weight = token_weights(batch.loss_mask, mode, max(tokens, 1.0), max(seqs, 1.0), max_response_length=max_response_length)
+    return batch.with_fields(token_weight=weight)
+
+
+def dp_shard(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
+    """This data-parallel rank's contiguous slice of rows."""
+    size = batch.batch_size // dp_size
+    return batch.select(slice(dp_rank * size, (dp_rank + 1) * size))
+
+
+def seq_multiple(parallel: ParallelConfig) -> int:
+    """Sequence lengths must divide by 2*CP (load-balanced CP chunks) and by TP under sequence parallelism."""
+    m = 2 * parallel.context_parallel_size if parallel.context_parallel_size > 1 else 1
+    return m * (parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)

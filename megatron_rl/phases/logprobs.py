@@ -1,0 +1,80 @@
+"""Log-prob phase: pi_old (FP8 forward), its high-precision shadow and the reference policy.
+
+Each DP rank computes its rows, then the rows are all-gathered so every rank holds the whole
+step batch (mini-batch membership is decided after this, identically on every rank).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_rl.parallel import state
+from megatron_rl.parallel.comm import all_gather_dp_rows
+from megatron_rl.phases.batching import dp_shard
+from megatron_rl.precision import high_precision
+from megatron_rl.types import TrainBatch
+
+
+def _local_parameters(learner):
+    """(chunk-qualified name, parameter) of this rank's model chunks."""
+    for i, chunk in enumerate(learner.model):
+        for name, p in chunk.named_parameters():
+            yield f"{i}.{name}", p
+
+
+class ReferencePolicy:
+    """The frozen initial policy for the KL term, kept as this rank's parameter shards (no gather)."""
+
+    def __init__(self, learner) -> None:
+        """Snapshot the learner's current local parameters."""
+        self.params = {name: p.detach().clone() for name, p in _local_parameters(learner)}
+
+    def logprobs(self, learner, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+        """Reference log-probs: swap the snapshot in, forward, swap the live weights back bit-exactly."""
+        live = {name: p.detach().clone() for name, p in _local_parameters(learner)}
+        with torch.no_grad():
+            for name, p in _local_parameters(learner):
+                p.copy_(self.params[name])
+            try:
+                lp, _ = learner.forward_logprobs(batch, micro_batch_size)
+            finally:
+                for name, p in _local_parameters(learner):
+                    p.copy_(live[name])
+        return lp
+
+
+def _global_forward(learner, batch: TrainBatch, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of the whole step batch: each DP rank does its shard, then rows are gathered."""
+    shard = dp_shard(batch, state.dp_rank(), state.dp_size())
+    lp, ent = learner.forward_logprobs(shard, micro_batch_size)
+    return all_gather_dp_rows(lp), all_gather_dp_rows(ent)
+
+
+def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, shadow: bool,
+                 reference: Optional[ReferencePolicy] = None) -> tuple[TrainBatch, dict[str, float]]:
+    """Attach pi_old (learner precision), the high-precision shadow pi_old when `shadow`, and reference log-probs."""
+    lp, ent = _global_forward(learner, batch, micro_batch_size)
+    changes = {"old_logprobs": lp}
+    mask = batch.loss_mask > 0
+    metrics = {"entropy_old": float(ent[mask].mean()) if mask.any() else float("nan")}
+    if shadow:
+        with high_precision():
+            lp_hp, _ = _global_forward(learner, batch, micro_batch_size)
+        changes["old_logprobs_hp"] = lp_hp
+        if mask.any():
+            # FP8 noise as seen by the policy: how far the FP8 forward's log-probs sit from high precision.
+            d = (lp - lp_hp)[mask]
+            metrics["fp8/logprob_abs_err_mean"] = float(d.abs().mean())
+            metrics["fp8/logprob_err_std"] = float(d.std()) if d.numel() > 1 else 0.0
+    if reference is not None:
+        shard = dp_shard(batch, state.dp_rank(), state.dp_size())
+        changes["ref_logprobs"] = all_gather_dp_rows(reference.logprobs(learner, shard, micro_batch_size))
+    return batch.with_fields(**changes), metrics
+
+
+def current_logprobs_hp(learner, shard: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+    """High-precision log-probs of the current policy on this rank's rows (the shadow pi_theta before an update)."""
+    with high_precision():
+        lp, _ = learner.forward_logprobs(shard, micro_batch_size)
+    return lp

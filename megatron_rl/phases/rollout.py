@@ -1,0 +1,79 @@
+"""Rollout phase: prompts -> SGLang /generate (through the HTTP client) -> Samples; and greedy eval."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.data.jsonl import PromptRow
+from megatron_rl.reward import RewardFn
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.types import RolloutBatch, Sample
+
+
+def encode_prompts(tokenizer, rows: Sequence[PromptRow]) -> list[list[int]]:
+    """Token ids of each prompt (no special tokens: the task format is the whole context)."""
+    ids = [tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in rows]
+    for k, p in enumerate(ids):
+        if not p:
+            raise ValueError(f"prompt {k} ({rows[k].prompt!r}) encodes to no tokens")
+    return ids
+
+
+def sampling_params(cfg: RolloutConfig, seed: int, n: int, eos_token_id: int) -> dict:
+    """SGLang sampling_params for training rollouts (only keys SGLang accepts)."""
+    s = cfg.sampling
+    return {
+        "n": n,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "max_new_tokens": s.max_new_tokens,
+        "stop_token_ids": sorted(set(s.stop_token_ids) | {eos_token_id}),
+        "sampling_seed": int(seed),
+        "skip_special_tokens": False,
+    }
+
+
+def _decode_response(tokenizer, response_ids: list[int]) -> str:
+    """Completion text with the stop token removed."""
+    return tokenizer.decode(response_ids, skip_special_tokens=True)
+
+
+def generate_samples(client: RolloutClient, tokenizer, rows: Sequence[PromptRow], cfg: RolloutConfig, seed: int) -> RolloutBatch:
+    """n samples per prompt (prompt-major), with engine log-probs and decoded text."""
+    prompt_ids = encode_prompts(tokenizer, rows)
+    n = cfg.n_samples_per_prompt
+    start = time.perf_counter()
+    results = client.generate_batch_sync(prompt_ids, sampling_params(cfg, seed, n, tokenizer.eos_token_id))
+    elapsed = time.perf_counter() - start
+    samples: list[Sample] = []
+    for group_id, (row, ids, outs) in enumerate(zip(rows, prompt_ids, results)):
+        for out in outs:
+            if len(out.logprobs) != len(out.output_ids):
+                raise ValueError(f"engine returned {len(out.logprobs)} log-probs for {len(out.output_ids)} tokens")
+            sample = out.to_sample(ids, group_id, row.answer)
+            sample.response_text = _decode_response(tokenizer, sample.response_ids)
+            samples.append(sample)
+    lengths = [len(s.response_ids) for s in samples]
+    stats = {
+        "rollout/time_s": elapsed,
+        "rollout/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
+        "rollout/response_len_mean": sum(lengths) / max(len(lengths), 1),
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1),
+        "rollout/empty_frac": sum(n_ == 0 for n_ in lengths) / max(len(lengths), 1),
+    }
+    return RolloutBatch(samples=samples, n_per_prompt=n, stats=stats)
+
+
+def greedy_accuracy(client: RolloutClient, tokenizer, rows: Sequence[PromptRow], reward_fn: RewardFn, max_new_tokens: int) -> float:
+    """Fraction of held-out prompts whose greedy completion the reward function marks correct."""
+    if not rows:
+        return float("nan")
+    params = {"n": 1, "temperature": 0.0, "max_new_tokens": max_new_tokens, "stop_token_ids": [tokenizer.eos_token_id]}
+    results = client.generate_batch_sync(encode_prompts(tokenizer, rows), params, return_logprob=False)
+    correct = 0
+    for row, outs in zip(rows, results):
+        _, ok = reward_fn(_decode_response(tokenizer, outs[0].output_ids), row.answer)
+        correct += int(ok)
+    return correct / len(rows)

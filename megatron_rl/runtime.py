@@ -1,0 +1,206 @@
+"""Everything a run needs before its first step, built from a RunConfig: distributed init, data,
+tokenizer, learner (initialised from the warm start), rollout engines and client, weight-sync
+transport, calibrated clipper, metrics sinks, and resume from the newest checkpoint.
+
+The controller (global rank 0) owns the engines, the client and the sinks; other ranks hold None.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megatron_rl.algo.clipper import CalibratedClipper
+from megatron_rl.config import RunConfig, dump_config
+from megatron_rl.data.jsonl import PromptRow, read_jsonl
+from megatron_rl.parallel import state
+from megatron_rl.reward import RewardFn, get_reward_fn
+
+
+@dataclass
+class RunSession:
+    """Handles shared by the phases of the loop."""
+
+    cfg: RunConfig
+    """The resolved config."""
+    run_dir: Path
+    """Output directory."""
+    tokenizer: Any
+    """HF tokenizer."""
+    train_rows: list[PromptRow]
+    """RL prompts."""
+    eval_rows: list[PromptRow]
+    """Held-out prompts."""
+    reward_fn: RewardFn
+    """Reward function."""
+    learner: Any
+    """megatron Learner."""
+    clipper: Optional[CalibratedClipper]
+    """Calibrated clipper (None when calibration is off)."""
+    hf_dir: str
+    """HF directory (config + tokenizer) engines are started from."""
+    cluster: Any = None
+    """Embedded engines (controller, embedded mode)."""
+    client: Any = None
+    """Rollout HTTP client (controller)."""
+    transport: Any = None
+    """Weight-sync transport (controller)."""
+    reference: Any = None
+    """Frozen reference policy for the KL term (None when algo.kl.coef == 0)."""
+    start_step: int = 0
+    """First step to run (> 0 when resumed)."""
+    rl_state: dict = field(default_factory=dict)
+    """Restored RL state (eval before RL, etc.)."""
+
+    def close(self) -> None:
+        """Stop engines."""
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, torch (CPU and CUDA) for reproducible runs."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """Python and torch RNG states (for checkpoints)."""
+    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(s: dict) -> None:
+    """Restore `rng_state()` output."""
+    random.setstate(s["python"])
+    torch.set_rng_state(s["torch"])
+
+
+def load_datasets(cfg: RunConfig, run_dir: Path):
+    """(tokenizer, train rows, eval rows): from files, or generated for the synthetic task into the run dir."""
+    from megatron_rl.data.prepare import prepare_task_data
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    d = cfg.data
+    if d.train_file is None or d.tokenizer_dir is None or (d.eval_file is None and d.num_eval_prompts > 0):
+        paths = prepare_task_data(cfg.data, run_dir / "data")
+    else:
+        paths = {}
+    tokenizer = load_tokenizer(d.tokenizer_dir or paths["tokenizer"])
+    train = read_jsonl(d.train_file or paths["train"])
+    eval_path = d.eval_file or paths.get("eval")
+    evals = read_jsonl(eval_path) if eval_path else []
+    return tokenizer, train, evals
+
+
+def make_clipper(cfg: RunConfig) -> Optional[CalibratedClipper]:
+    """The calibrated clipper when algo.calibration.enabled."""
+    if not cfg.algo.calibration.enabled:
+        return None
+    p = cfg.algo.policy_loss
+    return CalibratedClipper(cfg.algo.calibration, eps_low=p.eps_low, eps_high=p.eps_high)
+
+
+def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
+    """(cluster, client, transport) on the controller: embedded engines or external URLs."""
+    from megatron_rl.rollout.client import RolloutClient
+    from megatron_rl.rollout.launcher import launch_engines
+    from megatron_rl.rollout.sync import get_transport
+
+    r = cfg.rollout
+    cluster = None
+    if r.engine == "embedded":
+        cluster = launch_engines(
+            hf_dir, r.num_engines, tokenizer_path=hf_dir, host=r.host, base_port=r.base_port,
+            random_seed=r.seed, use_router=r.use_router, router_policy=r.router_policy,
+            startup_timeout_s=r.startup_timeout_s, log_dir=str(run_dir / "logs"),
+        )
+        gen_urls, worker_urls = cluster.generate_urls, cluster.worker_urls
+    else:
+        gen_urls = worker_urls = list(r.urls)
+    client = RolloutClient.from_config(r, gen_urls)
+    client.wait_until_healthy_sync(r.startup_timeout_s)
+    transport_cls = get_transport(r.weight_sync)
+    transport = transport_cls(r.sync_dir or str(run_dir / "weights"), hf_dir, worker_urls,
+                              client=RolloutClient.from_config(r, worker_urls))
+    return cluster, client, transport
+
+
+def open_session(cfg: RunConfig) -> RunSession:
+    """Build the whole run; resumes from the newest checkpoint of run_dir when cfg.checkpoint.resume."""
+    from megatron_rl.trainer.learner import Learner
+    from megatron_rl.warm_start import ensure_warm_start, load_initial_weights
+
+    run_dir = Path(cfg.run_dir)
+    state.init_distributed(cfg.parallel, cfg.train.seed)
+    seed_everything(cfg.train.seed)
+    if state.is_controller():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, run_dir / "config.yaml")
+    tokenizer, train_rows, eval_rows = _controller_first(lambda: load_datasets(cfg, run_dir))
+    hf_dir = ensure_warm_start(cfg, run_dir, tokenizer, train_rows)
+    total = cfg.train.steps * cfg.train.num_minibatches * cfg.train.ppo_epochs
+    learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=len(tokenizer),
+                      seed=cfg.train.seed, total_steps=total)
+    load_initial_weights(learner, hf_dir)
+    session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
+                         reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir)
+    if cfg.algo.kl.coef > 0:
+        from megatron_rl.phases.logprobs import ReferencePolicy
+
+        session.reference = ReferencePolicy(learner)
+    _maybe_resume(session)
+    if state.is_controller():
+        session.cluster, session.client, session.transport = start_rollout(cfg, hf_dir, run_dir)
+    return session
+
+
+def _controller_first(fn):
+    """Run `fn` on the controller first (it may write files), then on the other ranks."""
+    from megatron_rl.parallel.comm import barrier
+
+    if state.is_controller():
+        out = fn()
+        barrier()
+        return out
+    barrier()
+    return fn()
+
+
+def checkpoint_root(session: RunSession) -> str:
+    """<run_dir>/checkpoints."""
+    return str(session.run_dir / "checkpoints")
+
+
+def _maybe_resume(session: RunSession) -> None:
+    """Load the newest complete checkpoint (model, optimizer, RL state) when resuming is on."""
+    if not session.cfg.checkpoint.resume:
+        return
+    from megatron_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+
+    path = latest_checkpoint(checkpoint_root(session))
+    if path is None:
+        return
+    rl_state = load_checkpoint(session.learner, path)
+    session.start_step = int(rl_state["step"]) + 1
+    if session.clipper is not None and rl_state.get("clipper") is not None:
+        session.clipper.load_state_dict(rl_state["clipper"])
+    # load_checkpoint restores per-rank RNG under the same layout; the controller's python/torch
+    # streams (prompt order, sampling seeds) are the ones that shape the run, so restore them too.
+    if state.is_controller():
+        set_rng_state(rl_state["rng"])
+    session.rl_state = rl_state
+    if state.is_controller():
+        print(f"resumed from {path} at step {session.start_step}", flush=True)
+
+
+def save(session: RunSession, step: int, extra: dict) -> None:
+    """Checkpoint model, optimizer and RL state after `step`."""
+    from megatron_rl.trainer.checkpoint import save_checkpoint
+
+    rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None, **extra}
+    save_checkpoint(session.learner, checkpoint_root(session), step, rl_state, keep_last=session.cfg.checkpoint.keep_last)
