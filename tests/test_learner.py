@@ -239,3 +239,21 @@ def test_lr_schedule_warmup_then_linear_decay(learner):
     assert lrs == pytest.approx(expected, rel=1e-6)
     with pytest.raises(ValueError, match="total_steps"):
         Learner(ModelConfig(preset="tiny"), ParallelConfig(), OptimConfig(lr_decay_style="cosine"), PrecisionConfig(), vocab_size=VOCAB)
+
+
+def test_te_environment_checked_only_on_gpu_with_fp8(learner, monkeypatch):
+    """check_te_environment runs once per GPU Learner with an FP8 recipe; a CPU Learner never imports TE."""
+    import sys
+
+    from megatron_rl.precision import te
+    from megatron_rl.trainer.learner import check_precision_environment
+
+    assert "transformer_engine" not in sys.modules
+    seen = []
+    monkeypatch.setattr(te, "check_te_environment", seen.append)
+    blockwise, none = PrecisionConfig(recipe="blockwise"), PrecisionConfig()
+    check_precision_environment(blockwise, on_gpu=False)
+    check_precision_environment(none, on_gpu=True)
+    assert seen == []
+    check_precision_environment(blockwise, on_gpu=True)
+    assert seen == [blockwise]

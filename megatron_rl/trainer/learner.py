@@ -70,6 +70,16 @@ def _cp_slice(mb: TrainBatch, cp_size: int, cp_rank: int) -> TrainBatch:
     return mb.with_fields(**changes)
 
 
+def check_precision_environment(precision_cfg: PrecisionConfig, on_gpu: bool) -> None:
+    """On GPU, fail before the model is built when the imported TE contradicts the FP8 policy (CPU: nothing to check)."""
+    if not on_gpu or precision_cfg.recipe == "none":
+        return
+    # Imported here so that a CPU process never touches transformer_engine.
+    from megatron_rl.precision import te
+
+    te.check_te_environment(precision_cfg)
+
+
 class Learner:
     """megatron-core GPT learner; call `parallel.state.init_distributed` first (or pass init=True)."""
 
@@ -100,6 +110,7 @@ class Learner:
         self.precision_cfg = precision_cfg
         self.arch = architecture if architecture is not None else resolve_architecture(model_cfg, vocab_size)
         self.config = build_transformer_config(self.arch, parallel_cfg, optim_cfg, precision_cfg)
+        check_precision_environment(precision_cfg, on_gpu=torch.cuda.is_available())
         torch.manual_seed(seed)
         self.model = wrap_ddp(build_model_chunks(self.arch, self.config, precision_cfg), self.config, parallel_cfg)
         bf16 = optim_cfg.params_dtype == "bf16"
