@@ -1,0 +1,86 @@
+"""Phase glue: sample -> TrainBatch alignment, mini-batch/DP splits, RL loss = objective at calibrated bounds."""
+import pytest
+import torch
+
+from megatron_rl.algo.calibration import calibrate_bounds, reference_targets
+from megatron_rl.algo.clipper import CalibratedClipper
+from megatron_rl.algo.objective import policy_objective
+from megatron_rl.config.algo import AlgoConfig, CalibrationConfig
+from megatron_rl.phases import batching
+from megatron_rl.phases.loss import RLLoss
+from megatron_rl.types import Sample
+
+
+def _sample(prompt, response, gid=0):
+    return Sample(prompt_ids=prompt, response_ids=response, rollout_logprobs=[-0.1 * (i + 1) for i in range(len(response))],
+                  finish_reason="stop", group_id=gid)
+
+
+def test_train_batch_alignment_and_empty_completion():
+    samples = [_sample([5, 6, 7], [8, 9]), _sample([5, 6], []), _sample([4], [3, 2, 1])]
+    batch = batching.build_train_batch(samples, torch.tensor([1.0, -1.0, 0.5]), pad_id=0, seq_multiple=4)
+    assert batch.input_ids.shape == (3, 4)  # longest is 1+3-1 = 3 tokens, rounded up to 4
+    # Row 0: tokens 5 6 7 8 9 -> labels 6 7 8 9; the response labels 8, 9 sit at positions 2, 3.
+    assert batch.input_ids[0].tolist() == [5, 6, 7, 8] and batch.labels[0].tolist() == [6, 7, 8, 9]
+    assert batch.loss_mask[0].tolist() == [0, 0, 1, 1]
+    assert batch.rollout_logprobs[0, 2:].tolist() == pytest.approx([-0.1, -0.2])
+    assert batch.advantages[0].tolist() == [0, 0, 1, 1]
+    assert batch.loss_mask[1].sum() == 0  # an empty completion trains on nothing but keeps its row
+    assert batch.labels[2, :3].tolist() == [3, 2, 1] and batch.loss_mask[2].tolist() == [1, 1, 1, 0]
+
+
+def test_too_long_sequences_and_indivisible_batches_are_reported():
+    with pytest.raises(ValueError, match="max_seq_len=2"):
+        batching.build_train_batch([_sample([1, 2], [3, 4])], torch.zeros(1), pad_id=0, max_seq_len=2)
+    with pytest.raises(ValueError, match="train.num_minibatches"):
+        batching.check_divisible(24, dp_size=2, num_minibatches=2, micro_batch_size=4)
+    batching.check_divisible(32, dp_size=2, num_minibatches=2, micro_batch_size=4)
+
+
+def test_minibatches_partition_rows_and_weights_sum_to_one():
+    samples = [_sample([1, 2], [3] * (1 + i % 3), gid=i // 4) for i in range(16)]
+    batch = batching.build_train_batch(samples, torch.randn(16), pad_id=0)
+    parts = batching.minibatches(batch, 4, seed=7)
+    rows = torch.cat([p.sample_index for p in parts]).sort().values
+    assert rows.tolist() == list(range(16))
+    assert [p.sample_index.tolist() for p in parts] == [p.sample_index.tolist() for p in batching.minibatches(batch, 4, seed=7)]
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        weighted = batching.with_token_weights(parts[0], mode)
+        assert float(weighted.token_weight.sum()) == pytest.approx(1.0)
+    halves = [batching.dp_shard(parts[0], r, 2) for r in range(2)]
+    assert torch.equal(torch.cat([h.input_ids for h in halves]), parts[0].input_ids)
+
+
+class _Ctx:
+    group = None
+    micro_batch_index = 0
+
+
+def test_rl_loss_uses_the_calibrated_bounds():
+    torch.manual_seed(0)
+    samples = [_sample([1, 2], [3, 4, 5, 6], gid=i // 4) for i in range(8)]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.2, -0.2])
+    batch = batching.with_token_weights(batching.build_train_batch(samples, adv, pad_id=0), "token-mean")
+    old = torch.randn(batch.input_ids.shape) * 0.1 - 1.0
+    old_hp = old + 0.01 * torch.randn_like(old)
+    cur_hp = old_hp + 0.3 * torch.randn_like(old)
+    batch = batch.with_fields(old_logprobs=old, old_logprobs_hp=old_hp, logprobs_hp=cur_hp)
+    logprobs = (old + 0.3 * torch.randn_like(old)).requires_grad_()
+    algo = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1, smoothing=0.0))
+    clipper = CalibratedClipper(algo.calibration, eps_low=0.2, eps_high=0.2)
+    clipper.begin_step(0)
+    loss_fn = RLLoss(algo, clipper, step=0)
+    loss, _ = loss_fn(logprobs, torch.zeros_like(old), batch, _Ctx())
+
+    # Independent reference: targets from the shadow ratios, bounds from the FP8 ratios, then the objective.
+    mask = batch.loss_mask > 0
+    targets = reference_targets(torch.exp(cur_hp - old_hp)[mask], batch.advantages[mask], eps_low=0.2, eps_high=0.2)
+    lower, upper = calibrate_bounds(torch.exp(logprobs.detach() - old)[mask], batch.advantages[mask], targets,
+                                    eps_low=0.2, eps_high=0.2, lower_min=algo.calibration.lower_min,
+                                    lower_max=algo.calibration.lower_max, upper_min=algo.calibration.upper_min,
+                                    upper_max=algo.calibration.upper_max)
+    ref, _ = policy_objective(logprobs, old, batch.advantages, batch.token_weight, batch.loss_mask, (lower, upper),
+                              rollout_logprobs=batch.rollout_logprobs, entropy=torch.zeros_like(old), cfg=algo)
+    torch.testing.assert_close(loss, ref)
+    assert float(clipper.lower) == pytest.approx(float(lower)) and float(clipper.upper) == pytest.approx(float(upper))
+    assert "hp/clipfrac_lower_neg/num" in loss_fn.sums and "clipfrac_lower_neg/num" in loss_fn.sums
