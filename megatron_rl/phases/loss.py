@@ -48,6 +48,9 @@ class RLLoss:
                 hi_ref = torch.tensor(1.0 + self.algo.policy_loss.eps_high)
                 extra.update(M.clip_fraction_sums(ratio_hp_full, mb.advantages, mb.loss_mask, lo_ref, hi_ref, prefix="hp/"))
                 extra.update(M.clip_fraction_sums(torch.exp(log_ratio), mb.advantages, mb.loss_mask, lo_ref, hi_ref, prefix="uncalibrated/"))
+                # FP8 ratio noise: how far the FP8 log-ratio sits from the high-precision one, token by token.
+                noise = (log_ratio - (mb.logprobs_hp - mb.old_logprobs_hp).clamp(-20.0, 20.0)).abs()
+                extra.update(M.masked_mean_sums("fp8/log_ratio_abs_err", noise, mb.loss_mask))
             bounds = self.clipper.update(torch.exp(log_ratio)[valid], mb.advantages[valid], ratio_hp=ratio_hp, group=ctx.group)
         loss, sums = policy_objective(
             logprobs, mb.old_logprobs, mb.advantages, mb.token_weight, mb.loss_mask, bounds,

@@ -45,6 +45,16 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
             return "n/a"
         return f"{100 * v:.1f}%" if pct else f"{v:.4g}"
 
+    last = rows[-1] if rows else {}
+
+    def pair(a: str, b: str, source=None) -> str:
+        src = last if source is None else source
+        return f"{fmt(src.get(a, math.nan) if isinstance(src.get(a), (int, float)) else math.nan)} / " \
+               f"{fmt(src.get(b, math.nan) if isinstance(src.get(b), (int, float)) else math.nan)}"
+
+    def quantiles(side: str) -> str:
+        return " ".join(fmt(_mean(rows, f"ratio_{side}_q{q}")) for q in ("0.1", "1", "50", "99", "99.9"))
+
     out = [
         ("steps", str(len(rows))),
         ("held-out greedy accuracy (before RL)", fmt(eval_before, True)),
@@ -52,12 +62,18 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
         ("gain", f"{100 * (eval_after - eval_before):+.1f} points" if math.isfinite(eval_after - eval_before) else "n/a"),
         ("train reward (first 20% -> last 20% of steps)", f"{fmt(_mean(head, 'reward/mean'))} -> {fmt(_mean(tail, 'reward/mean'))}"),
         ("entropy (first -> last)", f"{fmt(_mean(head, 'entropy'))} -> {fmt(_mean(tail, 'entropy'))}"),
-        ("clipfrac_lower_neg (mean)", fmt(_mean(rows, "clipfrac_lower_neg"))),
-        ("clipfrac_upper_pos (mean)", fmt(_mean(rows, "clipfrac_upper_pos"))),
-        ("calibrated L / H (last)", f"{fmt(rows[-1].get('calib/lower', math.nan) if rows else math.nan)} / {fmt(rows[-1].get('calib/upper', math.nan) if rows else math.nan)}"),
+        ("clipfrac_lower_neg / clipfrac_upper_pos / clipfrac (mean)",
+         f"{fmt(_mean(rows, 'clipfrac_lower_neg'))} / {fmt(_mean(rows, 'clipfrac_upper_pos'))} / {fmt(_mean(rows, 'clipfrac'))}"),
+        ("high-precision shadow clipfrac_lower_neg (mean)", fmt(_mean(rows, "hp/clipfrac_lower_neg"))),
+        ("calibrated L / H (last)", pair("calib/lower", "calib/upper")),
+        ("alpha target / achieved (last)", pair("calib/alpha_target", "calib/alpha_achieved")),
+        ("rho target / achieved (last)", pair("calib/rho_target", "calib/rho_achieved")),
+        ("ratio quantiles A<0 (0.1% 1% 50% 99% 99.9%)", quantiles("neg")),
+        ("ratio quantiles A>0 (0.1% 1% 50% 99% 99.9%)", quantiles("pos")),
         ("ppo_kl (mean)", fmt(_mean(rows, "ppo_kl"))),
-        ("train-vs-rollout |dlogp| (mean)", fmt(_mean(rows, "mismatch_abs_dlogp"))),
+        ("train-vs-rollout |dlogp| / k3 KL (mean)", f"{fmt(_mean(rows, 'mismatch_abs_dlogp'))} / {fmt(_mean(rows, 'mismatch_k3_kl'))}"),
         ("token_mult_prob_error (mean)", fmt(_mean(rows, "token_mult_prob_error"))),
+        ("FP8 vs high-precision |dlogp| (shadow steps)", fmt(_mean(rows, "fp8/logprob_abs_err_mean"))),
         ("TIS weight mean / clipfrac", f"{fmt(_mean(rows, 'tis_weight_mean'))} / {fmt(_mean(rows, 'tis_clipfrac'))}"),
         ("step time (mean, s)", fmt(_mean(rows, "time/step"))),
         ("wall time (s)", f"{wall_s:.1f}"),
@@ -76,5 +92,5 @@ def print_summary(rows: Sequence[dict], eval_before: float, eval_after: float, w
     pairs = summary_rows(rows, eval_before, eval_after, wall_s)
     for label, value in pairs:
         table.add_row(label, value)
-    Console().print(table)
+    Console(width=max(100, Console().width)).print(table)
     return "\n".join(f"{label}: {value}" for label, value in pairs)
