@@ -16,7 +16,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import broadcast_from_controller, reduce_loss_sums
 from megatron_rl.phases import batching, logprobs, reward, rollout, weights
-from megatron_rl.phases.loss import RLLoss
+from megatron_rl.phases.loss import RLLoss, with_sequence_rollout_weights
 from megatron_rl.runtime import RunSession, open_session, save
 from megatron_rl.tracking import MetricsWriter, Timers
 from megatron_rl.tracking.report import Progress, print_summary
@@ -65,6 +65,7 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
     with timers("logprobs"):
         batch, metrics = logprobs.old_logprobs(learner, batch, cfg.train.micro_batch_size, shadow=calibrating,
                                                reference=session.reference)
+        batch = with_sequence_rollout_weights(batch, cfg.algo)
     sums, learner_metrics, micro_batches = None, {}, 0
     with timers("train"):
         if clipper is not None:

@@ -61,6 +61,8 @@ class TrainBatch:
     """[B, S] high-precision shadow log-probs of the current policy, taken just before the update (calibration steps only)."""
     ref_logprobs: Optional[torch.Tensor] = None
     """[B, S] reference-policy log-probs (only when a KL term is on)."""
+    rollout_weight: Optional[torch.Tensor] = None
+    """[B, S] precomputed rollout-correction weights (sequence-level TIS/MIS needs whole sequences, which CP splits)."""
     token_weight: Optional[torch.Tensor] = None
     """[B, S] loss weights carrying the global aggregation (sum of weight*loss over all ranks = the loss)."""
     sample_index: Optional[torch.Tensor] = None

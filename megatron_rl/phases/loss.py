@@ -14,8 +14,19 @@ import torch
 from megatron_rl.algo import metrics as M
 from megatron_rl.algo.clipper import CalibratedClipper
 from megatron_rl.algo.objective import policy_objective
+from megatron_rl.algo.rollout_correction import rollout_correction
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.types import TrainBatch
+
+
+def with_sequence_rollout_weights(batch: TrainBatch, algo: AlgoConfig) -> TrainBatch:
+    """Attach sequence-level correction weights computed on whole rows (before any CP split); token level is left to the loss."""
+    rc = algo.rollout_correction
+    if rc.mode == "none" or rc.level != "sequence":
+        return batch
+    corr = rollout_correction(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, mode=rc.mode, level=rc.level,
+                              tis_cap=rc.tis_cap, mis_low=rc.mis_low, mis_high=rc.mis_high)
+    return batch.with_fields(rollout_weight=corr.weight.detach())
 
 
 class RLLoss:
@@ -55,6 +66,7 @@ class RLLoss:
         loss, sums = policy_objective(
             logprobs, mb.old_logprobs, mb.advantages, mb.token_weight, mb.loss_mask, bounds,
             rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy, cfg=self.algo,
+            rollout_weight=mb.rollout_weight,
         )
         sums.update(extra)
         self.sums = M.add_sums(self.sums, sums)
