@@ -68,6 +68,8 @@ def main() -> None:
     p.add_argument("--tied", action="store_true", help="tie the output layer to the embedding")
     p.add_argument("--recipe", default="none", help="PrecisionConfig.recipe (FP8 emulation on CPU)")
     p.add_argument("--hp-ends", type=int, default=0, help="PrecisionConfig.first_last_layers_high_precision")
+    p.add_argument("--unsafe-batch-p2p", action="store_true",
+                   help="undo the pinned batch_p2p_comm=False (shows the VPP-on-gloo corruption it prevents)")
     p.add_argument("--init", default=None)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -84,6 +86,8 @@ def main() -> None:
         PrecisionConfig(recipe=a.recipe, first_last_layers_high_precision=a.hp_ends), vocab_size=VOCAB, seed=11,
         architecture=arch,
     )
+    if a.unsafe_batch_p2p:
+        learner.config.batch_p2p_comm = True
     out = Path(a.out)
     if a.init:
         learner.load_full_state_dict(torch.load(a.init))
