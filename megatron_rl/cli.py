@@ -120,10 +120,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     from megatron_rl.config import ConfigError
     from megatron_rl.data.jsonl import DataFormatError
+    from megatron_rl.rollout.client import RolloutServerError
+    from megatron_rl.rollout.launcher import LaunchError
 
     try:
         return args.fn(args)
-    except (ConfigError, DataFormatError) as exc:
+    except (ConfigError, DataFormatError, RolloutServerError, LaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

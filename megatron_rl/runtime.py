@@ -118,6 +118,7 @@ def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
             hf_dir, r.num_engines, tokenizer_path=hf_dir, host=r.host, base_port=r.base_port,
             random_seed=r.seed, use_router=r.use_router, router_policy=r.router_policy,
             startup_timeout_s=r.startup_timeout_s, log_dir=str(run_dir / "logs"),
+            deterministic=r.deterministic_inference,
         )
         gen_urls, worker_urls = cluster.generate_urls, cluster.worker_urls
     else:
@@ -130,6 +131,16 @@ def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
     return cluster, client, transport
 
 
+def check_external_rollout(cfg: RunConfig) -> None:
+    """Fail fast (RolloutServerError) when external engines are unreachable, before any warm start or model build."""
+    from megatron_rl.rollout.client import RolloutClient, RolloutServerError
+
+    try:
+        RolloutClient.from_config(cfg.rollout).wait_until_healthy_sync(cfg.rollout.startup_timeout_s)
+    except RolloutServerError as exc:
+        raise RolloutServerError(f"{exc} (rollout.engine=external: start the servers first or fix rollout.urls)") from None
+
+
 def open_session(cfg: RunConfig) -> RunSession:
     """Build the whole run; resumes from the newest checkpoint of run_dir when cfg.checkpoint.resume."""
     from megatron_rl.trainer.learner import Learner
@@ -138,6 +149,8 @@ def open_session(cfg: RunConfig) -> RunSession:
     run_dir = Path(cfg.run_dir)
     state.init_distributed(cfg.parallel, cfg.train.seed)
     seed_everything(cfg.train.seed)
+    if cfg.rollout.engine == "external" and state.is_controller():
+        check_external_rollout(cfg)
     if state.is_controller():
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, run_dir / "config.yaml")

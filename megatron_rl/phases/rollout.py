@@ -40,12 +40,27 @@ def _decode_response(tokenizer, response_ids: list[int]) -> str:
     return tokenizer.decode(response_ids, skip_special_tokens=True)
 
 
+def prompt_seed(seed: int, k: int) -> int:
+    """sampling_seed of the k-th prompt of a step seeded `seed`: every prompt draws its own random stream."""
+    return (int(seed) * 1_000_003 + k) % (2**62)
+
+
+def _weight_version(samples: Sequence[Sample]) -> float:
+    """The oldest weight version that produced `samples` (nan if an engine reports a non-numeric one)."""
+    try:
+        return float(min(int(s.weight_version) for s in samples))
+    except ValueError:
+        return float("nan")
+
+
 def generate_samples(client: RolloutClient, tokenizer, rows: Sequence[PromptRow], cfg: RolloutConfig, seed: int) -> RolloutBatch:
     """n samples per prompt (prompt-major), with engine log-probs and decoded text."""
     prompt_ids = encode_prompts(tokenizer, rows)
     n = cfg.n_samples_per_prompt
     start = time.perf_counter()
-    results = client.generate_batch_sync(prompt_ids, sampling_params(cfg, seed, n, tokenizer.eos_token_id))
+    # one seed per prompt (not one per step): otherwise sample j of every prompt shares its random draws
+    params = [sampling_params(cfg, prompt_seed(seed, k), n, tokenizer.eos_token_id) for k in range(len(prompt_ids))]
+    results = client.generate_batch_sync(prompt_ids, params)
     elapsed = time.perf_counter() - start
     samples: list[Sample] = []
     for group_id, (row, ids, outs) in enumerate(zip(rows, prompt_ids, results)):
@@ -62,6 +77,7 @@ def generate_samples(client: RolloutClient, tokenizer, rows: Sequence[PromptRow]
         "rollout/response_len_mean": sum(lengths) / max(len(lengths), 1),
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1),
         "rollout/empty_frac": sum(n_ == 0 for n_ in lengths) / max(len(lengths), 1),
+        "rollout/weight_version": _weight_version(samples) if samples else float("nan"),
     }
     return RolloutBatch(samples=samples, n_per_prompt=n, stats=stats)
 

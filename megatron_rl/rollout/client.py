@@ -232,15 +232,25 @@ class RolloutClient:
             return await self._generate_one(session, asyncio.Semaphore(self.concurrency), input_ids,
                                             sampling_params, return_logprob, rid)
 
-    async def generate_batch(self, prompts: Sequence[list[int]], sampling_params: Optional[Mapping] = None,
+    async def generate_batch(self, prompts: Sequence[list[int]],
+                             sampling_params: Union[None, Mapping, Sequence[Mapping]] = None,
                              return_logprob: bool = True) -> list[list[GenerateResult]]:
-        """Samples of many prompts: one request per prompt, at most `concurrency` in flight, in prompt order."""
+        """Samples of many prompts: one request per prompt, at most `concurrency` in flight, in prompt order.
+
+        `sampling_params` is shared by every prompt, or a sequence with one entry per prompt (e.g. own seeds).
+        """
         for k, p in enumerate(prompts):
             _check_prompt(p, k)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+            per_prompt = list(sampling_params)
+        else:
+            per_prompt = [sampling_params] * len(prompts)
         sem = asyncio.Semaphore(self.concurrency)
         async with self._session() as session:
-            tasks = [asyncio.ensure_future(self._generate_one(session, sem, p, sampling_params, return_logprob, None))
-                     for p in prompts]
+            tasks = [asyncio.ensure_future(self._generate_one(session, sem, p, sp, return_logprob, None))
+                     for p, sp in zip(prompts, per_prompt)]
             try:
                 return list(await asyncio.gather(*tasks))
             finally:
@@ -329,7 +339,8 @@ class RolloutClient:
         """Blocking `generate`."""
         return run_sync(self.generate(input_ids, sampling_params, return_logprob, rid))
 
-    def generate_batch_sync(self, prompts: Sequence[list[int]], sampling_params: Optional[Mapping] = None,
+    def generate_batch_sync(self, prompts: Sequence[list[int]],
+                            sampling_params: Union[None, Mapping, Sequence[Mapping]] = None,
                             return_logprob: bool = True) -> list[list[GenerateResult]]:
         """Blocking `generate_batch`."""
         return run_sync(self.generate_batch(prompts, sampling_params, return_logprob))

@@ -153,14 +153,19 @@ def _spawn(name: str, cmd: list[str], url: str, log_dir: str, env: Optional[dict
 
 def engine_command(model_path: str, port: int, host: str = "127.0.0.1", tokenizer_path: Optional[str] = None,
                    random_seed: int = 0, model_loader: Optional[str] = None, num_threads: int = 1,
-                   extra_args: Sequence[str] = ()) -> list[str]:
-    """argv of one embedded engine."""
+                   extra_args: Sequence[str] = (), deterministic: bool = False,
+                   parent_pid: Optional[int] = None) -> list[str]:
+    """argv of one embedded engine (with `parent_pid` it exits when that process dies)."""
     cmd = [sys.executable, "-m", "megatron_rl.rollout.server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--random-seed", str(random_seed), "--num-threads", str(num_threads)]
     if tokenizer_path:
         cmd += ["--tokenizer-path", tokenizer_path]
     if model_loader:
         cmd += ["--model-loader", model_loader]
+    if deterministic:
+        cmd += ["--enable-deterministic-inference"]
+    if parent_pid:
+        cmd += ["--parent-pid", str(parent_pid)]
     return cmd + list(extra_args)
 
 
@@ -180,11 +185,13 @@ def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
                    model_loader: Optional[str] = None, num_threads: int = 1, use_router: bool = False,
                    router_policy: str = "round_robin", startup_timeout_s: float = 120.0,
                    log_dir: Optional[str] = None, engine_args: Sequence[str] = (),
-                   router_args: Sequence[str] = ()) -> RolloutCluster:
+                   router_args: Sequence[str] = (), deterministic: bool = False) -> RolloutCluster:
     """Start `num_engines` embedded engines (engine i seeded random_seed + i), wait for /health, optionally start the router.
 
     `model_loader` is a 'package.module:function' path handed to each server; ports are free
     loopback ports unless `base_port` > 0 (then base_port + i, router at base_port + num_engines).
+    Engines exit on their own when this process dies (even by SIGKILL), so none is left orphaned.
+    `deterministic` makes each engine generate requests one at a time (batch-invariant samples).
     """
     if num_engines < 1:
         raise ValueError("num_engines must be >= 1")
@@ -200,7 +207,7 @@ def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
         for i in range(num_engines):
             port = base_port + i if base_port > 0 else free_port(host)
             cmd = engine_command(model_path, port, host, tokenizer_path, random_seed + i, model_loader,
-                                 num_threads, engine_args)
+                                 num_threads, engine_args, deterministic=deterministic, parent_pid=os.getpid())
             cluster.engines.append(_spawn(f"engine {i}", cmd, f"http://{host}:{port}", log_dir))
         for e in cluster.engines:
             wait_healthy(e, "/health", startup_timeout_s)
@@ -249,7 +256,8 @@ def launch_from_config(cfg, model_path: str, tokenizer_path: Optional[str] = Non
     return launch_engines(model_path, cfg.num_engines, tokenizer_path=tokenizer_path, host=cfg.host,
                           base_port=cfg.base_port, random_seed=cfg.seed, model_loader=model_loader,
                           num_threads=num_threads, use_router=cfg.use_router, router_policy=cfg.router_policy,
-                          startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir)
+                          startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir,
+                          deterministic=cfg.deterministic_inference)
 
 
 @contextlib.contextmanager

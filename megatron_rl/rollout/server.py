@@ -76,8 +76,13 @@ class RolloutServer:
                  model_loader: Optional[ModelLoader] = None, random_seed: int = 0,
                  batch_window_s: float = 0.005, max_batch_size: int = 256,
                  weight_version: str = "default", host: str = "127.0.0.1", port: int = 0,
-                 exit_on_load_error: bool = False):
-        """Configure the server; the model is loaded in the background once the app starts."""
+                 exit_on_load_error: bool = False, deterministic: bool = False):
+        """Configure the server; the model is loaded in the background once the app starts.
+
+        deterministic: generate every request in a batch of its own, so a request's samples never
+        depend on which other requests arrived in the same window (padding to a longer co-batched
+        prompt changes the float rounding of its logits); SGLang's --enable-deterministic-inference.
+        """
         if batch_window_s < 0:
             raise ValueError("batch_window_s must be >= 0")
         if max_batch_size < 1:
@@ -93,6 +98,7 @@ class RolloutServer:
         self.engine: Optional[Engine] = None
         self.load_error: Optional[str] = None
         self.exit_on_load_error = exit_on_load_error
+        self.deterministic = deterministic
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._queue: Optional[asyncio.Queue] = None
         self._unpaused: Optional[asyncio.Event] = None
@@ -163,7 +169,7 @@ class RolloutServer:
             batch = [first]
             rows = first.request.params.n
             deadline = loop.time() + self.batch_window_s
-            while rows < self.max_batch_size:
+            while rows < self.max_batch_size and not self.deterministic:
                 timeout = deadline - loop.time()
                 try:
                     item = self._queue.get_nowait() if timeout <= 0 else await asyncio.wait_for(self._queue.get(), timeout)
@@ -268,6 +274,7 @@ class RolloutServer:
             "port": self.port, "random_seed": self.random_seed, "skip_tokenizer_init": self.tokenizer_path is None,
             "tp_size": 1, "dp_size": 1, "pp_size": 1, "max_running_requests": self.max_batch_size,
             "batch_window_s": self.batch_window_s, "weight_version": self.weight_version,
+            "enable_deterministic_inference": self.deterministic,
             "version": SERVER_VERSION, "engine": "embedded-cpu",
             "internal_states": [{"loaded": self.engine is not None, "running_requests": self._running,
                                  "queued_requests": self._queue.qsize() if self._queue else 0,
@@ -526,8 +533,26 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=256, help="maximum sequences per batch")
     p.add_argument("--weight-version", default="default", help="initial weight version")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant results: generate each request in a batch of its own")
+    p.add_argument("--parent-pid", type=int, default=0,
+                   help="exit when this process (the launching trainer) is gone, even if it was SIGKILLed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return p
+
+
+def watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Exit this process once `parent_pid` is no longer our parent (a SIGKILLed trainer cannot stop its engines)."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        log.warning("parent process %d is gone; exiting", parent_pid)
+        logging.shutdown()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -543,7 +568,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.model_path, args.tokenizer_path, model_loader=resolve_model_loader(args.model_loader),
         random_seed=args.random_seed, batch_window_s=args.batch_window_ms / 1000.0,
         max_batch_size=args.max_batch_size, weight_version=args.weight_version, host=args.host, port=args.port,
-        exit_on_load_error=True)
+        exit_on_load_error=True, deterministic=args.enable_deterministic_inference)
+    if args.parent_pid > 0:
+        watch_parent(args.parent_pid)
     web.run_app(server.make_app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0
 

@@ -23,7 +23,7 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.jsonl = jsonl
         if jsonl and resume_step is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r.get("step", -1) < resume_step]
+            kept = [r for r in _rows_before_crash(self.path) if r.get("step", -1) < resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         elif jsonl and resume_step is None:
             self.path.write_text("")
@@ -48,6 +48,19 @@ class MetricsWriter:
         """Flush and close the sinks."""
         if self.tb is not None:
             self.tb.close()
+
+
+def _rows_before_crash(path: Path) -> list[dict[str, Any]]:
+    """Rows of a run's metrics.jsonl, dropping a torn last line (a process killed mid-write leaves one)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for k, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k != len(lines) - 1:
+                raise ValueError(f"{path}:{k + 1}: invalid JSON in the middle of the file") from None
+    return rows
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

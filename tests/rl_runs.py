@@ -1,0 +1,81 @@
+"""Helpers of the end-to-end RL tests: one tiny warm start per test session and `megatron-rl` subprocess runs.
+
+    warm = warm_start(tmp_path_factory)          # SFT once (~15 s), reused by every test of the session
+    rows = train(tmp_path / "run", tiny_overrides(warm, "train.steps=2"))
+
+Runs go through the real CLI in a subprocess (as a user runs them), so each gets a fresh
+torch.distributed state and its own embedded engine subprocess.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG = REPO_ROOT / "examples" / "configs" / "tiny_fp8_grpo.yaml"
+
+# Metrics that measure wall time (or depend on it), never compared between runs.
+TIMING_PREFIXES = ("time/", "rollout/time_s", "rollout/tokens_per_s", "sync/time_s")
+
+
+def cli_env() -> dict[str, str]:
+    """Environment of a CLI subprocess: one CPU thread per process (the box has 2 cores, runs stay comparable)."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def warm_start(tmp_path_factory) -> Path:
+    """Directory holding data/ (train, eval, tokenizer) and sft/hf of a short SFT warm start; built once per session."""
+    warm = tmp_path_factory.getbasetemp() / "tiny_warm_start"
+    if not (warm / "sft" / "hf" / "model.safetensors").exists():
+        # 200 SFT steps leave the model right on some prompts, so GRPO groups have reward spread
+        # (both advantage signs, every calibration metric defined) from the first step.
+        cmd = [sys.executable, "-m", "megatron_rl.cli", "sft", str(CONFIG), f"run_dir={warm}", "sft.steps=200",
+               "data.num_train_prompts=200", "data.num_eval_prompts=8"]
+        proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"warm start failed:\n{proc.stderr[-4000:]}"
+    return warm
+
+
+def tiny_overrides(warm: Path, *extra: str) -> list[str]:
+    """Overrides of a tiny RL run from the shared warm start (4 prompts x 4 samples, calibration every step)."""
+    return [
+        f"model.init_checkpoint={warm / 'sft' / 'hf'}",
+        f"data.train_file={warm / 'data' / 'train.jsonl'}",
+        f"data.eval_file={warm / 'data' / 'eval.jsonl'}",
+        f"data.tokenizer_dir={warm / 'data' / 'tokenizer'}",
+        "data.num_train_prompts=200", "data.num_eval_prompts=8", "train.eval_max_prompts=8",
+        "train.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "train.micro_batch_size=4",
+        "algo.calibration.calibrate_every=1", "tracking.progress_bar=false", *extra,
+    ]
+
+
+def train_command(run_dir: Path, overrides: Sequence[str], nproc: int = 1) -> list[str]:
+    """argv of `megatron-rl train` (under torchrun when nproc > 1)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 \
+        else [sys.executable]
+    return [*launcher, "-m", "megatron_rl.cli", "train", str(CONFIG), f"run_dir={run_dir}", *overrides]
+
+
+def train(run_dir: Path, overrides: Sequence[str], nproc: int = 1, timeout: float = 600) -> list[dict]:
+    """Run training to the end and return its metrics.jsonl rows."""
+    proc = subprocess.run(train_command(run_dir, overrides, nproc), env=cli_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"train failed (rc={proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    return read_rows(run_dir)
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    """Rows of <run_dir>/metrics.jsonl."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def comparable(row: dict) -> dict:
+    """A metrics row without its timing-dependent entries."""
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)}

@@ -1,0 +1,102 @@
+"""The RL loop end to end through `megatron-rl train`: FP8 blockwise learner, FP8 blockwise rollouts from an
+embedded engine subprocess, Calibrated Clipping every step; and the CLI's answers to bad input."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rl_runs import CONFIG, cli_env, tiny_overrides, train, warm_start
+
+QUANTILES = ("q0.1", "q1", "q50", "q99", "q99.9")
+# docs/CALIBRATED_CLIPPING.md section 4, split by when each is defined.
+ALWAYS = ("clipfrac", "calib/lower", "calib/upper", "calib/alpha_target", "calib/rho_target", "entropy",
+          "tis_weight_mean", "tis_clipfrac", "mismatch_abs_dlogp", "mismatch_k3_kl", "token_mult_prob_error",
+          "hp/clipfrac")
+NEEDS_NEG = ("clipfrac_lower_neg", "hp/clipfrac_lower_neg", "calib/alpha_achieved",
+             *(f"ratio_neg_{q}" for q in QUANTILES))
+NEEDS_BOTH_SIGNS = ("clipfrac_upper_pos", "hp/clipfrac_upper_pos", "calib/rho_achieved",
+                    *(f"ratio_pos_{q}" for q in QUANTILES))
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> Path:
+    """The session's tiny warm start."""
+    return warm_start(tmp_path_factory)
+
+
+def _finite(row: dict, key: str) -> bool:
+    return isinstance(row.get(key), (int, float)) and math.isfinite(row[key])
+
+
+@pytest.mark.slow
+def test_two_step_fp8_calibrated_run(warm, tmp_path):
+    run_dir = tmp_path / "run"
+    rows = train(run_dir, tiny_overrides(warm, "train.steps=2"))
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        for key in ALWAYS + NEEDS_NEG + NEEDS_BOTH_SIGNS:
+            assert key in r, f"step {r['step']}: metric {key} missing"
+        # a group with reward spread has tokens of both advantage signs (GRPO centres each group),
+        # so every section-4 metric is defined on such a step
+        spread = r["groups/no_spread_frac"] < 1.0
+        must = ALWAYS + ((NEEDS_NEG + NEEDS_BOTH_SIGNS) if spread else ())
+        bad = [k for k in must if not _finite(r, k)]
+        assert not bad, f"step {r['step']}: not finite: {bad}"
+        # the engine served the weights pushed after the previous step (version 0 = the warm start)
+        assert r["rollout/weight_version"] == r["step"]
+        # consistency checks against independent quantities of the same step
+        assert r["token_mult_prob_error"] >= math.exp(r["mismatch_abs_dlogp"]) - 1e-12  # Jensen
+        assert r["mismatch_k3_kl"] >= 0.0
+        assert 0.0 <= r["clipfrac"] <= 1.0 and 0.0 < r["tis_weight_mean"] <= 2.0
+        if spread:
+            # alpha is the pooled shadow fraction of A<0 tokens below 1 - eps_low: exactly hp/clipfrac_lower_neg
+            assert r["calib/alpha_target"] == pytest.approx(r["hp/clipfrac_lower_neg"], abs=1e-9)
+            for side in ("neg", "pos"):
+                qs = [r[f"ratio_{side}_{q}"] for q in QUANTILES]
+                assert qs == sorted(qs)
+    assert any(r["groups/no_spread_frac"] < 1.0 for r in rows), "no step had reward spread: the test would prove little"
+    summary = (run_dir / "summary.txt").read_text()
+    assert "calibrated L / H" in summary and "steps" in summary
+
+
+def _cli(args: list[str], timeout: float = 180) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], env=cli_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def test_cli_unknown_config_key_is_named(tmp_path):
+    proc, _ = _cli(["train", str(CONFIG), f"run_dir={tmp_path / 'run'}", "train.bogus_key=3"])
+    assert proc.returncode != 0
+    assert "train.bogus_key" in proc.stderr and "unknown key" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_malformed_jsonl_names_file_and_line(tmp_path):
+    data = tmp_path / "train.jsonl"
+    good = '{"prompt": "1+2=", "answer": "3"}\n'
+    data.write_text(good * 3 + '{"prompt": "2+2=", "answer": \n' + good)
+    proc, _ = _cli(["train", str(CONFIG), f"run_dir={tmp_path / 'run'}", f"data.train_file={data}",
+                    "data.num_train_prompts=16", "data.num_eval_prompts=4"])
+    assert proc.returncode != 0
+    assert f"{data}:4" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_unreachable_external_server_fails_fast(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, elapsed = _cli(["train", str(CONFIG), f"run_dir={run_dir}", "rollout.engine=external",
+                          "rollout.urls=[http://127.0.0.1:9]", "rollout.startup_timeout_s=2", "rollout.max_retries=1"],
+                         timeout=120)
+    assert proc.returncode != 0
+    assert "error:" in proc.stderr and "http://127.0.0.1:9" in proc.stderr and "not healthy" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # checked before the warm start: the user does not wait for an SFT run that cannot be used
+    assert not (run_dir / "sft").exists()
+    assert elapsed < 60
