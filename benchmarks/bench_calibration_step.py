@@ -32,7 +32,6 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -105,6 +104,7 @@ def synthetic_batch(learner, cfg, rows: int, seq: int, vocab: int, noise: float,
     lp, _ = learner.forward_logprobs(shard, cfg.train.micro_batch_size)
 
     def jitter(scale: float) -> torch.Tensor:
+        """The current log-probs plus Gaussian noise of std `scale`, zero off the loss mask."""
         return (lp + scale * torch.randn(lp.shape, generator=g)) * shard.loss_mask
 
     return shard.with_fields(old_logprobs=jitter(noise), rollout_logprobs=jitter(noise / 2),
@@ -119,6 +119,7 @@ def timed_loss(loss_fn, clock: dict):
             clipper._bench_update = clipper.update
 
             def update(*a, **kw):
+                """clipper.update, timed."""
                 t0 = time.perf_counter()
                 out = clipper._bench_update(*a, **kw)
                 clipper._bench_clock["update"] += time.perf_counter() - t0
@@ -128,6 +129,7 @@ def timed_loss(loss_fn, clock: dict):
         clipper._bench_clock = clock
 
     def call(lp, ent, mb, ctx):
+        """The loss function, timed."""
         t0 = time.perf_counter()
         out = loss_fn(lp, ent, mb, ctx)
         clock["loss"] += time.perf_counter() - t0
@@ -171,6 +173,7 @@ def measure(args) -> dict[str, Any]:
     bytes_per_mb: dict[str, float] = {}
 
     def one_step(variant: str, batch, step: int, record: bool) -> None:
+        """One train_step with `variant`'s loss; when `record`, keep its time, loss clock and byte count."""
         clipper = clippers[variant]
         if clipper is not None:
             clipper.begin_step(step)
