@@ -41,15 +41,18 @@ def _batch(tokens: int, seed: int = 0):
     return lp, old, adv, mask, r_hp
 
 
-def _time(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
+def _time_interleaved(fns: dict, reps: int) -> dict[str, float]:
+    """Median seconds per call of each function, timed round-robin so machine noise hits all alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
     # the median resists the other jobs sharing a small CPU
-    return sorted(times)[len(times) // 2]
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def bench(tokens: int, reps: int, cfg: AlgoConfig) -> dict[str, float]:
@@ -64,19 +67,20 @@ def bench(tokens: int, reps: int, cfg: AlgoConfig) -> dict[str, float]:
         loss, _ = policy_objective(x, old, adv, w, mask, bounds, cfg=cfg)
         loss.backward()
 
-    out = {"plain": _time(lambda: step(default_bounds(cfg)), reps)}
+    fns = {"plain": lambda: step(default_bounds(cfg))}
     for backend in ("allgather", "histogram"):
         ccfg = CalibrationConfig(enabled=True, backend=backend, bounds_update="per_microbatch")
         clip = CalibratedClipper(ccfg, eps_low=cfg.policy_loss.eps_low, eps_high=cfg.policy_loss.eps_high)
         ratio, a = flatten_valid(torch.exp(lp - old), adv, mask)
         clip.update(ratio, a, ratio_hp=r_hp)
 
-        def calibrated():
+        def calibrated(clip=clip):
             """Re-solve the bounds from the live ratios, then the micro-batch."""
             r, av = flatten_valid(torch.exp(lp - old), adv, mask)
             step(clip.update(r, av))
 
-        out[backend] = _time(calibrated, reps)
+        fns[backend] = calibrated
+    out = _time_interleaved(fns, reps)
     return out
 
 
