@@ -5,7 +5,8 @@ It reproduces what an SGLang engine returns for the RL trainer: n samples per pr
 strings, per-request reproducible seeds, per-token log-probs of the chosen tokens taken from the
 model's RAW logits, and SGLang-shaped finish reasons. Prompts of different lengths are left-padded
 and run together with an attention mask and explicit position ids, so a batched row computes the
-same numbers as the row alone.
+same numbers as the row alone up to float rounding (~1e-6 in log-probs: padded shapes change the
+kernels' summation order); the server's --enable-deterministic-inference makes it bitwise.
 
 The model is built by a replaceable `model_loader(path) -> torch.nn.Module` (default
 `load_hf_model`), so the FP8 emulation can plug in a W8A8 model without touching this file.
