@@ -71,11 +71,13 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
         if clipper is not None:
             clipper.begin_step(step)
         for epoch in range(cfg.train.ppo_epochs):
-            for mb in batching.minibatches(batch, cfg.train.num_minibatches, seed=cfg.train.seed * 7919 + step * 31 + epoch):
+            for k, mb in enumerate(batching.minibatches(batch, cfg.train.num_minibatches, seed=cfg.train.seed * 7919 + step * 31 + epoch)):
                 mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode), state.dp_rank(), state.dp_size())
-                if calibrating:
+                on_policy = epoch == 0 and k == 0
+                if calibrating and not on_policy:
                     mb = mb.with_fields(logprobs_hp=logprobs.current_logprobs_hp(learner, mb, cfg.train.micro_batch_size))
-                loss_fn = RLLoss(cfg.algo, clipper, step, first_micro_batch=micro_batches)
+                loss_fn = RLLoss(cfg.algo, None if on_policy else clipper, step, first_micro_batch=micro_batches,
+                                 bounds=clipper.bounds() if clipper is not None and on_policy else None)
                 out = learner.train_step(mb, loss_fn, cfg.train.micro_batch_size)
                 micro_batches += mb.batch_size // cfg.train.micro_batch_size
                 sums = add_sums(sums, loss_fn.sums or {})

@@ -121,6 +121,10 @@ class CalibratedClipper:
         self.solved = True
         self.last = sol
 
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current (lower, upper) bounds as 0-d tensors, without re-solving."""
+        return self.lower, self.upper
+
     def metrics(self) -> dict[str, float]:
         """Current bounds, targets and the achieved alpha/rho of the last solve (nan where undefined)."""
         out = {"calib/lower": float(self.lower), "calib/upper": float(self.upper)}

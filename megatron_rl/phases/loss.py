@@ -32,10 +32,16 @@ def with_sequence_rollout_weights(batch: TrainBatch, algo: AlgoConfig) -> TrainB
 class RLLoss:
     """Callable `loss_fn(logprobs, entropy, mb, ctx)` for Learner.train_step."""
 
-    def __init__(self, algo: AlgoConfig, clipper: Optional[CalibratedClipper], step: int, first_micro_batch: int = 0) -> None:
-        """`first_micro_batch` numbers micro-batches across the step's mini-batches (shadow sub-sampling is keyed on it)."""
+    def __init__(self, algo: AlgoConfig, clipper: Optional[CalibratedClipper], step: int, first_micro_batch: int = 0,
+                 bounds: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        """`first_micro_batch` numbers micro-batches across the step's mini-batches (shadow sub-sampling is keyed on it).
+
+        Without a clipper the loss clips at `bounds` (the last calibrated ones on the on-policy first mini-batch,
+        whose ratios are 1 up to FP8 noise and say nothing to calibrate on) or at the default 1 -/+ eps.
+        """
         self.algo = algo
         self.clipper = clipper
+        self.fixed_bounds = bounds
         self.step = step
         self.first_micro_batch = first_micro_batch
         self.sums: Optional[dict[str, torch.Tensor]] = None
@@ -46,7 +52,7 @@ class RLLoss:
         if mb.old_logprobs is None or mb.token_weight is None:
             raise ValueError("RL micro-batches need old_logprobs and token_weight")
         valid = mb.loss_mask > 0
-        bounds = None
+        bounds = self.fixed_bounds
         extra: dict[str, torch.Tensor] = {}
         if self.clipper is not None:
             index = self.first_micro_batch + ctx.micro_batch_index
