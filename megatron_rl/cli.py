@@ -93,9 +93,19 @@ def cmd_convert(args) -> int:
     raise SystemExit(f"unknown conversion {args.kind!r}")
 
 
+def _quiet_known_upstream_warnings() -> None:
+    """Silence megatron-core's import-time notices about TE/Apex fallbacks (expected on CPU, noise in the job's output)."""
+    import warnings
+
+    for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                    "Warning: tp_group is None", "full scope is deprecated", "`torch.distributed.(reduce_scatter|all_gather_into)"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the `megatron-rl` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_known_upstream_warnings()
     if argv and argv[0] == "serve":
         from megatron_rl.rollout.server import main as serve_main
 
