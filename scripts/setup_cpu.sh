@@ -10,4 +10,4 @@ python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 # torch first and pinned: any later resolution must find it satisfied, never fetch a CUDA build.
 python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 python -m pip install -q -c constraints/cpu.txt -e ".[test]" 2>&1 | grep -v "is ignored" || true
-python -c "import torch, megatron.core, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+python -W ignore -c "import torch, megatron.core, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
