@@ -101,6 +101,12 @@ def make_clipper(cfg: RunConfig) -> Optional[CalibratedClipper]:
     """The calibrated clipper when algo.calibration.enabled."""
     if not cfg.algo.calibration.enabled:
         return None
+    if cfg.train.num_minibatches * cfg.train.ppo_epochs == 1:
+        import warnings
+
+        warnings.warn("algo.calibration.enabled with one on-policy update per step: the first mini-batch never "
+                      "calibrates (its ratios are 1 up to FP8 noise), so the bounds stay at 1 -/+ eps; "
+                      "use train.num_minibatches > 1 or train.ppo_epochs > 1", stacklevel=2)
     p = cfg.algo.policy_loss
     return CalibratedClipper(cfg.algo.calibration, eps_low=p.eps_low, eps_high=p.eps_high)
 
