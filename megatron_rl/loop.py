@@ -25,12 +25,13 @@ from megatron_rl.tracking.report import Progress, print_summary
 def prompts_for_step(session: RunSession, step: int):
     """The step's prompts: consecutive slices of a per-epoch seeded shuffle (resume-safe)."""
     rows, per_step = session.train_rows, session.cfg.train.prompts_per_step
-    first = step * per_step
+    perms: dict[int, torch.Tensor] = {}
     out = []
-    for k in range(first, first + per_step):
+    for k in range(step * per_step, (step + 1) * per_step):
         epoch, offset = divmod(k, len(rows))
-        perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(session.cfg.data.seed + epoch))
-        out.append(rows[int(perm[offset])])
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(len(rows), generator=torch.Generator().manual_seed(session.cfg.data.seed + epoch))
+        out.append(rows[int(perms[epoch][offset])])
     return out
 
 
