@@ -213,6 +213,15 @@ class _Fp8ParallelMixin:
                 if torch.distributed.get_world_size(group) > 1:
                     self.fp8_quant.amax_group = group
 
+    def get_extra_state(self) -> Optional[dict]:
+        """Delayed-scaling histories and scales (None for stateless recipes): checkpointed as TE's _extra_state is."""
+        return self.fp8_quant.state_dict() or None
+
+    def set_extra_state(self, state) -> None:
+        """Restore what get_extra_state saved (None: a stateless recipe, or a checkpoint from one)."""
+        if state:
+            self.fp8_quant.load_state_dict(state)
+
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                       sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, **kwargs):
         """Same contract as linear_with_grad_accumulation_and_async_allreduce, FP8-emulated."""
