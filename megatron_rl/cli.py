@@ -6,6 +6,7 @@
     megatron-rl serve --model-path DIR --port 30000   # embedded SGLang-protocol rollout server
     megatron-rl data CONFIG         # write the synthetic task's JSONL + tokenizer
     megatron-rl convert hf-to-fp8 SRC DST             # FP8 blockwise HF checkpoint for SGLang
+    megatron-rl convert hf-to-megatron SRC DST --config CONFIG   # reshardable torch_dist checkpoint
     megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
 """
 from __future__ import annotations
@@ -84,11 +85,16 @@ def _print_fields(model, prefix: str) -> None:
 
 
 def cmd_convert(args) -> int:
-    """Checkpoint conversion: hf-to-fp8 (blockwise FP8 HF checkpoint with quantization_config)."""
-    from megatron_rl.tools_convert import hf_to_fp8
+    """Checkpoint conversion: hf-to-fp8 (blockwise FP8 HF checkpoint), hf-to-megatron (torch_dist checkpoint)."""
+    from megatron_rl.tools_convert import hf_to_fp8, hf_to_megatron
 
     if args.kind == "hf-to-fp8":
         print(hf_to_fp8(args.src, args.dst, scale_fmt=args.scale_fmt))
+        return 0
+    if args.kind == "hf-to-megatron":
+        from megatron_rl.config import load_config
+
+        print(hf_to_megatron(args.src, args.dst, load_config(args.config, args.overrides)))
         return 0
     raise SystemExit(f"unknown conversion {args.kind!r}")
 
@@ -121,10 +127,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--fields", action="store_true", help="list every config field with its documentation")
     p.set_defaults(fn=cmd_config)
     p = sub.add_parser("convert", help=cmd_convert.__doc__)
-    p.add_argument("kind", choices=["hf-to-fp8"])
+    p.add_argument("kind", choices=["hf-to-fp8", "hf-to-megatron"])
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--scale-fmt", default="fp32", choices=["fp32", "ue8m0"])
+    p.add_argument("--scale-fmt", default="fp32", choices=["fp32", "ue8m0"], help="hf-to-fp8: scale format")
+    p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the model and parallel layout")
+    p.add_argument("overrides", nargs="*", help="hf-to-megatron: dotted.key=value overrides of --config")
     p.set_defaults(fn=cmd_convert)
     sub.add_parser("serve", help="embedded SGLang-protocol rollout server (see --help after 'serve')")
     args = parser.parse_args(argv)

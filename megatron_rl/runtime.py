@@ -150,7 +150,7 @@ def check_external_rollout(cfg: RunConfig) -> None:
 def open_session(cfg: RunConfig) -> RunSession:
     """Build the whole run; resumes from the newest checkpoint of run_dir when cfg.checkpoint.resume."""
     from megatron_rl.trainer.learner import Learner
-    from megatron_rl.warm_start import ensure_warm_start, load_initial_weights
+    from megatron_rl.warm_start import ensure_warm_start, initialize_learner
 
     run_dir = Path(cfg.run_dir)
     state.init_distributed(cfg.parallel, cfg.train.seed)
@@ -165,7 +165,7 @@ def open_session(cfg: RunConfig) -> RunSession:
     total = cfg.train.steps * cfg.train.num_minibatches * cfg.train.ppo_epochs
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=len(tokenizer),
                       seed=cfg.train.seed, total_steps=total)
-    load_initial_weights(learner, hf_dir)
+    hf_dir = initialize_learner(learner, hf_dir, tokenizer, run_dir)
     session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                          reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir)
     if cfg.algo.kl.coef > 0:

@@ -27,3 +27,26 @@ def hf_to_fp8(src: str, dst: str, scale_fmt: str = "fp32") -> str:
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config")) and f.is_file():
             shutil.copyfile(f, dst_p / f.name)
     return str(dst_p)
+
+
+def hf_to_megatron(src: str, dst: str, cfg) -> str:
+    """Convert an HF directory to a megatron distributed checkpoint (weights only) under cfg's model and layout.
+
+    Collective under torchrun; the result loads under any other parallel layout (dist_checkpointing reshards),
+    so `model.init_checkpoint=DST` starts runs without every rank reading the whole HF checkpoint.
+    """
+    from megatron_rl.config.precision import PrecisionConfig
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.checkpoint import save_checkpoint
+    from megatron_rl.trainer.learner import Learner
+    from megatron_rl.warm_start import load_initial_weights
+
+    config_path = Path(src) / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{src} is not an HF directory (no config.json)")
+    vocab = json.loads(config_path.read_text()).get("vocab_size")
+    state.init_distributed(cfg.parallel, cfg.train.seed)
+    # Weights are converted at high precision; the FP8 policy applies when a run loads them.
+    learner = Learner(cfg.model, cfg.parallel, cfg.optim, PrecisionConfig(), vocab_size=vocab, seed=cfg.train.seed)
+    load_initial_weights(learner, src)
+    return save_checkpoint(learner, dst, step=0, rl_state={"step": 0, "converted_from": str(src)}, keep_last=1)

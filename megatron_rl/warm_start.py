@@ -1,8 +1,11 @@
-"""Where the policy starts: an HF directory (config + safetensors + tokenizer) the learner loads
-through the HF -> Megatron mapping and the engines serve.
+"""Where the policy starts.
 
-`model.init_checkpoint` names an existing HF directory; when it is unset, the supervised warm start
+`model.init_checkpoint` names either an HF directory (config + safetensors), loaded through the
+HF -> Megatron mapping on every rank, or a megatron distributed checkpoint (a step directory or a
+checkpoint root, e.g. from `megatron-rl convert hf-to-megatron`), loaded sharded under any parallel
+layout — the scalable path for 8B+ models. When it is unset, the supervised warm start
 (`megatron_rl.sft`) trains the model on the task once and exports <run_dir>/sft/hf, reused later.
+Engines always start from an HF directory (exported from the learner for megatron checkpoints).
 """
 from __future__ import annotations
 
@@ -22,8 +25,9 @@ def ensure_warm_start(cfg: RunConfig, run_dir: Path, tokenizer, train_rows) -> s
     """The HF directory the run starts from (running the SFT warm start first if needed)."""
     if cfg.model.init_checkpoint:
         path = Path(cfg.model.init_checkpoint)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.init_checkpoint={path} is not an HF directory (no config.json)")
+        if not (path / "config.json").exists() and not is_megatron_checkpoint(path):
+            raise FileNotFoundError(f"model.init_checkpoint={path} is neither an HF directory (no config.json) "
+                                    "nor a megatron distributed checkpoint")
         return str(path)
     out = sft_dir(cfg, run_dir) / "hf"
     if not (out / "model.safetensors").exists():
@@ -31,6 +35,27 @@ def ensure_warm_start(cfg: RunConfig, run_dir: Path, tokenizer, train_rows) -> s
 
         run_sft(cfg, tokenizer, train_rows, sft_dir(cfg, run_dir))
     barrier()
+    return str(out)
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    """True for a complete megatron_rl distributed checkpoint, or a root holding one."""
+    from megatron_rl.trainer.checkpoint import latest_checkpoint
+
+    path = Path(path)
+    return (path / "COMPLETE").exists() or latest_checkpoint(path) is not None
+
+
+def initialize_learner(learner, init_dir: str, tokenizer, run_dir: Path) -> str:
+    """Load the initial weights (HF or megatron checkpoint); returns the HF directory engines start from."""
+    if not is_megatron_checkpoint(init_dir):
+        load_initial_weights(learner, init_dir)
+        return init_dir
+    from megatron_rl.trainer.checkpoint import load_checkpoint
+
+    load_checkpoint(learner, init_dir, load_optimizer=False, load_rng=False)
+    out = run_dir / "init_hf"
+    export_hf_dir(learner, tokenizer, out)
     return str(out)
 
 
