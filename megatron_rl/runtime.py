@@ -48,7 +48,7 @@ class RunSession:
     client: Any = None
     """Rollout HTTP client (controller)."""
     transport: Any = None
-    """Weight-sync transport (controller)."""
+    """Weight-sync transport (controller and every pipeline stage's sender)."""
     reference: Any = None
     """Frozen reference policy for the KL term (None when algo.kl.coef == 0)."""
     start_step: int = 0
@@ -57,7 +57,10 @@ class RunSession:
     """Restored RL state (eval before RL, etc.)."""
 
     def close(self) -> None:
-        """Stop engines."""
+        """Leave weight-update groups, stop engines."""
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
@@ -111,30 +114,53 @@ def make_clipper(cfg: RunConfig) -> Optional[CalibratedClipper]:
     return CalibratedClipper(cfg.algo.calibration, eps_low=p.eps_low, eps_high=p.eps_high)
 
 
-def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
-    """(cluster, client, transport) on the controller: embedded engines or external URLs."""
+def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path, model_dir: Optional[str] = None):
+    """(cluster, client, transport) on the controller: embedded engines (serving `model_dir`, default hf_dir) or external URLs."""
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.launcher import launch_engines
-    from megatron_rl.rollout.sync import get_transport
+    from megatron_rl.rollout.sync import build_transport
 
     r = cfg.rollout
     cluster = None
     if r.engine == "embedded":
         cluster = launch_engines(
-            hf_dir, r.num_engines, tokenizer_path=hf_dir, host=r.host, base_port=r.base_port,
+            model_dir or hf_dir, r.num_engines, tokenizer_path=hf_dir, host=r.host, base_port=r.base_port,
             random_seed=r.seed, use_router=r.use_router, router_policy=r.router_policy,
             startup_timeout_s=r.startup_timeout_s, log_dir=str(run_dir / "logs"),
             deterministic=r.deterministic_inference,
+            engine_args=["--weight-update-timeout-s", str(r.weight_sync.timeout_s)],
         )
         gen_urls, worker_urls = cluster.generate_urls, cluster.worker_urls
     else:
         gen_urls = worker_urls = list(r.urls)
     client = RolloutClient.from_config(r, gen_urls)
     client.wait_until_healthy_sync(r.startup_timeout_s)
-    transport_cls = get_transport(r.weight_sync)
-    transport = transport_cls(r.sync_dir or str(run_dir / "weights"), hf_dir, worker_urls,
-                              client=RolloutClient.from_config(r, worker_urls))
+    transport = build_transport(r.weight_sync, worker_urls, hf_dir, str(run_dir / "weights"))
     return cluster, client, transport
+
+
+def engine_start_dir(cfg: RunConfig, learner, hf_dir: str, run_dir: Path) -> str:
+    """The checkpoint embedded engines start from: hf_dir, or (FP8 rollouts) the learner's weights in the served
+    format, so every later update keeps the architecture the engines serve (collective over learner ranks)."""
+    if cfg.precision.rollout_quantization == "none" or cfg.rollout.engine != "embedded":
+        return hf_dir
+    from megatron_rl.phases.weights import export_rollout_checkpoint
+
+    out = str(run_dir / "rollout_init")
+    export_rollout_checkpoint(learner, cfg.precision, out, hf_config_dir=hf_dir, bucket_mb=cfg.rollout.weight_sync.bucket_mb)
+    return out
+
+
+def attach_weight_senders(session: "RunSession") -> None:
+    """Give every pipeline stage's sender (TP/DP/CP rank 0 of its stage) a transport to the controller's engines."""
+    from megatron_rl.parallel.comm import broadcast_from_controller
+    from megatron_rl.rollout.sync import build_transport
+    from megatron_rl.trainer.weight_export import StreamingExporter
+
+    urls = broadcast_from_controller(session.transport.urls if state.is_controller() else None)
+    if not state.is_controller() and StreamingExporter(session.learner).is_sender:
+        session.transport = build_transport(session.cfg.rollout.weight_sync, urls, session.hf_dir,
+                                            str(session.run_dir / "weights"))
 
 
 def check_external_rollout(cfg: RunConfig) -> None:
@@ -173,8 +199,10 @@ def open_session(cfg: RunConfig) -> RunSession:
 
         session.reference = ReferencePolicy(learner)
     _maybe_resume(session)
+    model_dir = engine_start_dir(cfg, learner, hf_dir, run_dir)
     if state.is_controller():
-        session.cluster, session.client, session.transport = start_rollout(cfg, hf_dir, run_dir)
+        session.cluster, session.client, session.transport = start_rollout(cfg, hf_dir, run_dir, model_dir)
+    attach_weight_senders(session)
     return session
 
 

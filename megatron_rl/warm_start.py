@@ -30,7 +30,7 @@ def ensure_warm_start(cfg: RunConfig, run_dir: Path, tokenizer, train_rows) -> s
                                     "nor a megatron distributed checkpoint")
         return str(path)
     out = sft_dir(cfg, run_dir) / "hf"
-    if not (out / "model.safetensors").exists():
+    if not ((out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists()):
         from megatron_rl.sft import run_sft
 
         run_sft(cfg, tokenizer, train_rows, sft_dir(cfg, run_dir))
@@ -77,20 +77,19 @@ def load_initial_weights(learner, hf_dir: str) -> None:
 
 
 def export_hf_dir(learner, tokenizer, out_dir: Path) -> None:
-    """Write an HF directory (config, safetensors, tokenizer) of the learner's weights on the controller."""
-    from safetensors.torch import save_file
+    """Write an HF directory (config, safetensors shards, tokenizer) of the learner's weights; collective.
 
+    Streamed like a weight sync (each pipeline stage writes its own shards): no rank holds the model.
+    """
+    from megatron_rl.config.precision import PrecisionConfig
     from megatron_rl.models.presets import hf_config
-    from megatron_rl.phases.weights import export_hf_state_dict
+    from megatron_rl.phases.weights import export_rollout_checkpoint
 
-    hf_sd = export_hf_state_dict(learner)
-    if state.is_controller():
-        out_dir.mkdir(parents=True, exist_ok=True)
+    def prepare(staging: str) -> None:
         config = hf_config(learner.arch, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id)
-        config.save_pretrained(str(out_dir))
-        tokenizer.save_pretrained(str(out_dir))
-        tmp = out_dir / "model.safetensors.tmp"
-        save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out_dir / "model.safetensors")
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+    export_rollout_checkpoint(learner, PrecisionConfig(), str(out_dir), prepare=prepare)
     barrier()

@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 
 def test_registry():
     assert TRANSPORTS["disk"] is DiskWeightSync and get_transport("disk") is DiskWeightSync
-    with pytest.raises(ValueError, match="weight_sync='nccl'.*disk"):
+    with pytest.raises(ValueError, match="transport='nccl'.*disk"):
         get_transport("nccl")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 from pydantic import model_validator
+from urllib.parse import urlparse
 
 from megatron_rl.config.base import StrictConfig
 
@@ -21,6 +22,57 @@ class SamplingConfig(StrictConfig):
     """Maximum completion length."""
     stop_token_ids: list[int] = []
     """Extra stop tokens (EOS is always a stop)."""
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+"""Hosts that name this machine (an engine there can map the trainer's shared memory / CUDA IPC handles)."""
+
+
+class WeightSyncConfig(StrictConfig):
+    """How new weights travel from the learner to the engines (rollout/sync/, one module per transport)."""
+
+    transport: Literal["disk", "distributed", "tensor"] = "disk"
+    """disk: HF checkpoint in sync_dir + /update_weights_from_disk (shared filesystem); distributed: SGLang's
+    /init_weights_update_group + /update_weights_from_distributed (NCCL on GPU, gloo on CPU); tensor:
+    /update_weights_from_tensor with CUDA-IPC / shared-memory handles (engines on the learner's host)."""
+    bucket_mb: float = 512.0
+    """Largest bucket of HF tensors exported and sent at once (a single larger tensor travels alone)."""
+    sync_dir: Optional[str] = None
+    """Directory of the disk transport's versioned checkpoints (default: <run_dir>/weights)."""
+    keep_last: int = 2
+    """Versions the disk transport keeps in sync_dir."""
+    timeout_s: float = 300.0
+    """Bound of one weight-update request, the group rendezvous and each broadcast (engines get it too)."""
+    master_address: Optional[str] = None
+    """Address engines use to reach a stage sender's weight-update group (default: 127.0.0.1 when every engine
+    is on this host, else this host's name resolved to an address)."""
+    master_port: int = 0
+    """Port of stage 0's weight-update group (stage k uses master_port + k); 0 = a free port per group."""
+    group_name: str = "weight_update_group"
+    """Name of the weight-update group (pipeline stage k > 0 of a PP > 1 learner appends _pp{k})."""
+    pause_mode: Literal["abort", "in_place"] = "abort"
+    """/pause_generation mode around an update: abort (SGLang's default; in-flight requests end as 'abort', so
+    no sample mixes weight versions) or in_place (embedded engines finish the running batch on the old weights;
+    on SGLang an in-flight request may continue on the new weights)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "WeightSyncConfig":
+        if not self.bucket_mb > 0:
+            raise ValueError(f"rollout.weight_sync.bucket_mb must be > 0, got {self.bucket_mb}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"rollout.weight_sync.timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"rollout.weight_sync.master_port must be in [0, 65535], got {self.master_port}")
+        if self.keep_last < 1:
+            raise ValueError(f"rollout.weight_sync.keep_last must be >= 1, got {self.keep_last}")
+        if not self.group_name or not all(c.isalnum() or c in "._-" for c in self.group_name):
+            raise ValueError(f"rollout.weight_sync.group_name={self.group_name!r} must be non-empty letters, digits, '.', '_' or '-'")
+        return self
+
+    @property
+    def bucket_bytes(self) -> int:
+        """bucket_mb in bytes."""
+        return max(1, int(self.bucket_mb * 1024 * 1024))
 
 
 class RolloutConfig(StrictConfig):
@@ -54,14 +106,23 @@ class RolloutConfig(StrictConfig):
     """First retry delay; doubles each retry."""
     startup_timeout_s: float = 120.0
     """How long to wait for an engine's /health."""
-    weight_sync: Literal["disk", "tensor", "distributed"] = "disk"
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     """Weight-sync transport from learner to engines."""
-    sync_dir: Optional[str] = None
-    """Directory for disk weight sync (default: <run_dir>/weights)."""
     seed: int = 0
     """Base random seed of the engines (sampling_seed per request derives from it)."""
     deterministic_inference: bool = True
     """Batch-invariant rollouts: embedded engines generate each prompt's request alone, so samples depend only on (weights, prompt, seed), never on co-batched requests (needed for exact resume and DP/TP-invariant runs); external SGLang servers need --enable-deterministic-inference."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data):
+        """Name the new location of keys that moved into rollout.weight_sync."""
+        if isinstance(data, dict):
+            if "sync_dir" in data:
+                raise ValueError("rollout.sync_dir moved: use rollout.weight_sync.sync_dir")
+            if isinstance(data.get("weight_sync"), str):
+                raise ValueError(f"rollout.weight_sync is a section now: use rollout.weight_sync.transport={data['weight_sync']}")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
@@ -71,4 +132,10 @@ class RolloutConfig(StrictConfig):
             raise ValueError("rollout.n_samples_per_prompt must be >= 1")
         if self.num_engines < 1:
             raise ValueError("rollout.num_engines must be >= 1")
+        if self.weight_sync.transport == "tensor" and self.engine != "embedded":
+            remote = [u for u in self.urls if (urlparse(u).hostname or "") not in LOOPBACK_HOSTS]
+            if remote:
+                raise ValueError(f"rollout.weight_sync.transport=tensor hands engines shared-memory / CUDA-IPC handles, "
+                                 f"which only an engine on this host can open; rollout.urls has {remote[0]} "
+                                 "(use transport=distributed or disk)")
         return self

@@ -57,39 +57,37 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Architect
     return merged.reshape(g * (per + 2) * d, *tail)
 
 
+def megatron_to_hf(name: str, tensor: torch.Tensor, arch: Architecture) -> list[tuple[str, torch.Tensor]]:
+    """One full megatron-named tensor -> its HF-named tensors (views of `tensor`, no copy).
+
+    The streaming weight export maps one gathered parameter at a time with this; a tied output
+    layer maps to nothing (HF checkpoints hold the embedding once).
+    """
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", tensor)]
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", tensor)]
+    if name == "output_layer.weight":
+        return [] if arch.tie_word_embeddings else [("lm_head.weight", tensor)]
+    m = _LAYER.match(name)
+    if not m:
+        raise MappingError(f"no HF counterpart for megatron tensor '{name}'")
+    prefix, suffix = f"model.layers.{int(m.group(1))}.", m.group(2)
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        q, k, v = split_qkv(tensor, arch)
+        return [(f"{prefix}self_attn.{proj}.{kind}", part) for proj, part in (("q_proj", q), ("k_proj", k), ("v_proj", v))]
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return [(prefix + "mlp.gate_proj.weight", gate), (prefix + "mlp.up_proj.weight", up)]
+    if suffix in _DIRECT:
+        return [(prefix + _DIRECT[suffix], tensor)]
+    raise MappingError(f"no HF counterpart for megatron tensor '{name}'")
+
+
 def to_hf(megatron_sd: Mapping[str, torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:
     """Full megatron-named state dict -> HF-named state dict (new tensors; inputs untouched)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in megatron_sd.items():
-        if name == "embedding.word_embeddings.weight":
-            out["model.embed_tokens.weight"] = tensor.clone()
-            continue
-        if name == "decoder.final_layernorm.weight":
-            out["model.norm.weight"] = tensor.clone()
-            continue
-        if name == "output_layer.weight":
-            if not arch.tie_word_embeddings:
-                out["lm_head.weight"] = tensor.clone()
-            continue
-        m = _LAYER.match(name)
-        if not m:
-            raise MappingError(f"no HF counterpart for megatron tensor '{name}'")
-        layer, suffix = int(m.group(1)), m.group(2)
-        prefix = f"model.layers.{layer}."
-        if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-            kind = suffix.rsplit(".", 1)[1]
-            q, k, v = split_qkv(tensor, arch)
-            for proj, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                out[f"{prefix}self_attn.{proj}.{kind}"] = part.clone()
-        elif suffix == "mlp.linear_fc1.weight":
-            gate, up = tensor.chunk(2, dim=0)
-            out[prefix + "mlp.gate_proj.weight"] = gate.clone()
-            out[prefix + "mlp.up_proj.weight"] = up.clone()
-        elif suffix in _DIRECT:
-            out[prefix + _DIRECT[suffix]] = tensor.clone()
-        else:
-            raise MappingError(f"no HF counterpart for megatron tensor '{name}'")
-    return out
+    return {hf: t.clone() for name, tensor in megatron_sd.items() for hf, t in megatron_to_hf(name, tensor, arch)}
 
 
 def to_megatron(hf_sd: Mapping[str, torch.Tensor], arch: Architecture, *, te_fused_norms: bool = False) -> dict[str, torch.Tensor]:

@@ -1,51 +1,217 @@
-"""Weight-sync phase: Megatron shards -> full HF-named tensors -> (FP8 blockwise) -> engines.
+"""Weight-sync phase: Megatron shards -> HF names -> (FP8 blockwise) -> engines, streamed bucket by bucket.
 
-Trainer and rollout quantize from identical bits: the HF tensors are exactly the learner's
-parameters (gathered, then renamed), and FP8 rollout weights are quantized from those.
+Every learner rank calls `sync_weights`; what each does (rollout/sync/base.py has the protocol):
+all ranks refuse non-finite weights first; the controller pauses the engines; then each pipeline
+stage in turn streams its own layers (trainer/weight_export.py: TP shards gathered one parameter
+at a time onto the stage's sender, renamed, quantized on the learner's device, bucketed) into the
+transport; the controller commits and resumes generation. Trainer and rollout quantize from
+identical bits: FP8 rollout weights are quantized from exactly the learner's parameters.
 """
 from __future__ import annotations
 
-from typing import Optional
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.config.precision import PrecisionConfig
-from megatron_rl.models import hf_mapping
+from megatron_rl.parallel import state
+from megatron_rl.trainer.weight_export import Converter, StreamingExporter, check_finite, nbytes, with_last
 
 
-def export_hf_state_dict(learner) -> Optional[dict[str, torch.Tensor]]:
-    """HF-named full weights on global rank 0 (None on other ranks); collective over the learner ranks."""
-    full = learner.gather_full_state_dict()
-    if full is None:
-        return None
-    return hf_mapping.to_hf(full, learner.arch)
+@dataclass
+class RolloutFormat:
+    """How exported HF tensors become what the engines serve."""
+
+    convert: Converter
+    """Per HF tensor: [(name, tensor)] to send (e.g. FP8 weight + weight_scale_inv)."""
+    config_updates: dict = field(default_factory=dict)
+    """config.json entries of a checkpoint in this format (quantization_config)."""
 
 
-def rollout_payload(hf_sd: dict[str, torch.Tensor], precision: PrecisionConfig) -> tuple[dict[str, torch.Tensor], dict]:
-    """The tensors and config.json updates pushed to engines under the precision policy's rollout quantization."""
+def rollout_format(precision: PrecisionConfig) -> RolloutFormat:
+    """The format of `precision.rollout_quantization` (fp8-blockwise: 128x128 blocks, fp32 or ue8m0 scales)."""
     if precision.rollout_quantization == "none":
-        return hf_sd, {}
-    from megatron_rl.precision.hf_fp8 import quantization_config, quantize_state_dict
-
+        return RolloutFormat(lambda name, t: [(name, t.float())])
     if precision.rollout_quantization == "fp8-blockwise":
-        return quantize_state_dict(hf_sd, (128, 128), precision.rollout_scale_fmt), {
-            "quantization_config": quantization_config((128, 128), precision.rollout_scale_fmt)
-        }
+        from megatron_rl.precision.blockwise import quantize_blockwise
+        from megatron_rl.precision.hf_fp8 import SCALE_SUFFIX, is_quantized_weight, quantization_config
+
+        fmt = precision.rollout_scale_fmt
+
+        def convert(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+            if not is_quantized_weight(name):
+                return [(name, t.float())]
+            q, s = quantize_blockwise(t, (128, 128), fmt)
+            return [(name, q), (name + SCALE_SUFFIX, s)]
+
+        return RolloutFormat(convert, {"quantization_config": quantization_config((128, 128), fmt)})
     raise NotImplementedError(
         "precision.rollout_quantization=fp8-channel is served by SGLang's own --quantization fp8 on a BF16 "
         "checkpoint; push unquantized weights (rollout_quantization=none) and launch engines with it"
     )
 
 
-def sync_weights(learner, transport, precision: PrecisionConfig, weight_version: int) -> dict[str, float]:
-    """Push the learner's current weights to every engine as `weight_version`; returns metrics."""
-    import time
+def rollout_payload(hf_sd: dict[str, torch.Tensor], precision: PrecisionConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """A whole HF state dict in the rollout format, plus its config.json updates (small models, tests, tools)."""
+    fmt = rollout_format(precision)
+    return {n: t for name, tensor in hf_sd.items() for n, t in fmt.convert(name, tensor)}, dict(fmt.config_updates)
 
+
+def export_hf_state_dict(learner) -> Optional[dict[str, torch.Tensor]]:
+    """HF-named full weights on global rank 0 (None on other ranks); collective. Holds the whole model: tests/tools only."""
+    from megatron_rl.models import hf_mapping
+
+    full = learner.gather_full_state_dict()
+    if full is None:
+        return None
+    return hf_mapping.to_hf(full, learner.arch)
+
+
+def _agree(error: Optional[str], extra: Any = None) -> list:
+    """Every rank's (error, extra); raises the first error on every rank."""
+    reports = [(error, extra)]
+    if state.world_size() > 1:
+        reports = [None] * state.world_size()
+        dist.all_gather_object(reports, (error, extra))
+    errors = [(rank, e) for rank, (e, _) in enumerate(reports) if e]
+    if errors:
+        rank, e = errors[0]
+        raise RuntimeError(f"weight sync failed on learner rank {rank}: {e}")
+    return [x for _, x in reports]
+
+
+def stream_to_transport(learner, transport, fmt: RolloutFormat, weight_version: Any,
+                        bucket_bytes: Optional[int] = None) -> tuple[int, int]:
+    """Every stage, in turn, streams its buckets into `transport` (stage senders); returns this rank's (bytes, buckets).
+
+    Collective over all learner ranks. A failing send does not stop the stage's gathers (its TP
+    peers are inside them): the sender drains the export, then every rank raises the error.
+    """
+    exporter = StreamingExporter(learner)
+    pp = state.pp_size()
+    sent, count = 0, 0
+    for stage in range(pp):
+        error: Optional[str] = None
+        if exporter.stage == stage and exporter.participates:
+            size = bucket_bytes or (transport.bucket_bytes if transport is not None else 1 << 30)
+            try:
+                if exporter.is_sender:
+                    transport.begin_stage(stage, pp, weight_version)
+            except Exception as exc:  # noqa: BLE001 - shared with every rank below
+                error = f"{type(exc).__name__}: {exc}"
+            for bucket, last in with_last(exporter.buckets(size, fmt.convert)):
+                if error is None:
+                    try:
+                        transport.send_bucket(bucket, final=last and stage == pp - 1)
+                        sent += nbytes(bucket)
+                        count += 1
+                    except Exception as exc:  # noqa: BLE001
+                        error = f"{type(exc).__name__}: {exc}"
+                del bucket
+            if exporter.is_sender and error is None:
+                transport.end_stage()
+        _agree(error)
+    return sent, count
+
+
+def sync_weights(learner, transport, precision: PrecisionConfig, weight_version: int) -> dict[str, float]:
+    """Push the learner's current weights to every engine as `weight_version`; metrics on the controller.
+
+    Collective: every learner rank calls it; `transport` is the rank's transport (stage senders and
+    the controller) or None. Non-finite weights raise NonFiniteWeightsError before anything is sent.
+    """
     start = time.perf_counter()
-    hf_sd = export_hf_state_dict(learner)
-    if hf_sd is None:
+    check_finite(learner)
+    fmt = rollout_format(precision)
+    controller = state.is_controller()
+    error: Optional[str] = None
+    if controller:
+        try:
+            transport.begin(weight_version)
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+    done = False
+    try:
+        _agree(error)
+        sent, count = stream_to_transport(learner, transport, fmt, weight_version)
+        if controller:
+            try:
+                transport.commit(weight_version, fmt.config_updates)
+            except Exception as exc:  # noqa: BLE001
+                error = f"{type(exc).__name__}: {exc}"
+        totals = _agree(error, (sent, count))
+        done = True
+    finally:
+        if controller:
+            try:
+                transport.finish()
+            except Exception:
+                if done:  # otherwise the sync's own error is the one to report
+                    raise
+    if not controller:
         return {}
-    tensors, config_updates = rollout_payload(hf_sd, precision)
-    transport.push(tensors, weight_version, config_updates)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {"sync/bytes": float(nbytes), "sync/time_s": time.perf_counter() - start}
+    elapsed = time.perf_counter() - start
+    total_bytes = float(sum(b for b, _ in totals))
+    return {"sync/bytes": total_bytes, "sync/buckets": float(sum(c for _, c in totals)), "sync/time_s": elapsed,
+            "sync/gb_per_s": total_bytes / elapsed / 1e9 if elapsed > 0 else 0.0}
+
+
+def export_rollout_checkpoint(learner, precision: PrecisionConfig, out_dir: str, hf_config_dir: Optional[str] = None,
+                              bucket_mb: float = 512.0, prepare: Optional[Callable[[str], None]] = None) -> Optional[str]:
+    """Write the learner's weights as an HF checkpoint in the rollout format at `out_dir` (streamed; collective).
+
+    Every stage sender writes its own shards into a staging directory (on a filesystem all learner
+    nodes share); global rank 0 first runs `prepare(staging)` (e.g. writes config and tokenizer),
+    then writes the index and config.json (from `hf_config_dir`, default the staging directory
+    itself) and renames the result to `out_dir`, which it returns (None on other ranks).
+    """
+    import os
+    import shutil
+
+    from megatron_rl.rollout.sync.disk import finalize_checkpoint, write_shard
+
+    fmt = rollout_format(precision)
+    staging = str(out_dir).rstrip("/") + ".tmp"
+    error = None
+    if state.is_controller():
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+            if prepare is not None:
+                prepare(staging)
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+    _agree(error)
+    writer = _ShardWriter(staging, write_shard)
+    stream_to_transport(learner, writer, fmt, "export", bucket_bytes=max(1, int(bucket_mb * 1024 * 1024)))
+    path = None
+    if state.is_controller():
+        try:
+            finalize_checkpoint(staging, hf_config_dir or staging, fmt.config_updates)
+            shutil.rmtree(out_dir, ignore_errors=True)
+            os.rename(staging, out_dir)
+            path = str(out_dir)
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+    _agree(error)
+    return path
+
+
+class _ShardWriter:
+    """A transport that only writes each stage's buckets as shards (for `export_rollout_checkpoint`)."""
+
+    def __init__(self, directory: str, write: Callable) -> None:
+        self.directory, self.write, self.k, self.stage = directory, write, 0, 0
+
+    def begin_stage(self, stage: int, num_stages: int, weight_version: Any) -> None:
+        self.stage, self.k = stage, 0
+
+    def send_bucket(self, bucket, final: bool) -> None:
+        self.write(bucket, f"{self.directory}/model-pp{self.stage:02d}-{self.k:05d}.safetensors")
+        self.k += 1
+
+    def end_stage(self) -> None:
+        pass

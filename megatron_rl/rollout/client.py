@@ -315,6 +315,22 @@ class RolloutClient:
                 raise RolloutServerError(f"POST {url}{path} did not succeed: {msg}")
         return list(answers)
 
+    async def call_all(self, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None,
+                       check_success: bool = True) -> list[Any]:
+        """POST `body` to `path` on every server concurrently, without retries (weight updates are not idempotent).
+
+        Raises RolloutServerError naming the server when one fails or (check_success) does not answer success.
+        """
+        async with self._session() as session:
+            answers = await asyncio.gather(*(self._request(session, u, "POST", path, body, timeout_s=timeout_s, max_retries=0)
+                                             for u in self.urls))
+        if check_success:
+            for url, ans in zip(self.urls, answers):
+                if not isinstance(ans, dict) or not ans.get("success"):
+                    msg = ans.get("message") if isinstance(ans, dict) else ans
+                    raise RolloutServerError(f"POST {url}{path} did not succeed: {msg}")
+        return list(answers)
+
     async def flush_cache(self) -> None:
         """POST /flush_cache on every server (retrying while a server reports it is busy)."""
         async with self._session() as session:

@@ -40,6 +40,10 @@ NEUTRAL_SAMPLING_KEYS: dict[str, Any] = {
 
 ModelLoader = Callable[[str], torch.nn.Module]
 
+_LOAD_LOCK = threading.Lock()
+# transformers builds models under process-global init contexts: two engines loading at once in one
+# process (threaded test servers) can come out with untied embeddings, so loads take turns.
+
 
 class SamplingParamsError(ValueError):
     """A sampling_params entry is unknown, unsupported or out of range; `key` names it."""
@@ -195,8 +199,9 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = 
         raise FileNotFoundError(f"model_path {path!r} is not a directory with a config.json")
     if _is_fp8_checkpoint(path):
         return _load_fp8_model(path, dtype)
-    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                       output_loading_info=True)
+    with _LOAD_LOCK:
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                           output_loading_info=True)
     if strict:
         unexpected = set(info.get("unexpected_keys") or ())
         if getattr(model.config, "tie_word_embeddings", False):
@@ -229,7 +234,8 @@ def _load_fp8_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
     # The quantization is ours to emulate; transformers' own FP8 integration needs a GPU.
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with _LOAD_LOCK:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return load_fp8_checkpoint_into(model, path).eval()
 
 
@@ -293,7 +299,10 @@ class Engine:
     # ----------------------------------------------------------------------------------- weights
     def _load(self, path: str) -> torch.nn.Module:
         """Build a model with the loader and read the facts the decode loop needs."""
-        model = self.model_loader(path)
+        return self._adopt(self.model_loader(path))
+
+    def _adopt(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Read the facts the decode loop needs from `model` (eval mode)."""
         model.eval()
         self._eos = eos_token_ids(model)
         cfg = getattr(model, "config", None)
@@ -306,10 +315,14 @@ class Engine:
         return model
 
     def load_weights(self, path: str) -> None:
-        """Replace the model with the one at `path` (built by the same loader); the old one stays on failure."""
-        model = self._load(path)
+        """Replace the model with the one at `path` (built by the same loader) after checking it has the served
+        architecture (config fields, every tensor's name, shape and dtype); the old one stays on any failure."""
+        from megatron_rl.rollout.weight_receiver import check_same_architecture
+
+        model = self.model_loader(path)
+        check_same_architecture(self.model, model, f"checkpoint {path!r}")
         with self._lock:
-            self.model = model
+            self.model = self._adopt(model)
             self.model_path = path
 
     @property

@@ -29,6 +29,7 @@ from aiohttp import web
 from megatron_rl.rollout.engine import (
     Engine, GenerationOutput, GenerationRequest, ModelLoader, SamplingParams, SamplingParamsError,
 )
+from megatron_rl.rollout.weight_endpoints import WeightEndpoints
 
 log = logging.getLogger("megatron_rl.rollout.server")
 
@@ -76,12 +77,14 @@ class RolloutServer:
                  model_loader: Optional[ModelLoader] = None, random_seed: int = 0,
                  batch_window_s: float = 0.005, max_batch_size: int = 256,
                  weight_version: str = "default", host: str = "127.0.0.1", port: int = 0,
-                 exit_on_load_error: bool = False, deterministic: bool = False):
+                 exit_on_load_error: bool = False, deterministic: bool = False,
+                 weight_update_timeout_s: float = 120.0):
         """Configure the server; the model is loaded in the background once the app starts.
 
         deterministic: generate every request in a batch of its own, so a request's samples never
         depend on which other requests arrived in the same window (padding to a longer co-batched
         prompt changes the float rounding of its logits); SGLang's --enable-deterministic-inference.
+        weight_update_timeout_s: bound of a weight-update group's rendezvous and of each broadcast.
         """
         if batch_window_s < 0:
             raise ValueError("batch_window_s must be >= 0")
@@ -107,6 +110,7 @@ class RolloutServer:
         self._running = 0
         self.batches_run = 0
         self._tasks: list[asyncio.Task] = []
+        self.weights = WeightEndpoints(self, _json_body, weight_update_timeout_s)
 
     # --------------------------------------------------------------------------- lifecycle
     def make_app(self) -> web.Application:
@@ -127,6 +131,8 @@ class RolloutServer:
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
+        for method, path, handler in self.weights.routes():
+            r.add_route(method, path, handler)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -141,6 +147,7 @@ class RolloutServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.weights.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _load(self) -> None:
@@ -310,6 +317,8 @@ class RolloutServer:
         except BadRequest as exc:
             return web.json_response({"success": False, "message": str(exc)}, status=400)
         engine = self.engine
+        if body.get("abort_all_requests"):
+            self._abort_epoch += 1
 
         def job() -> None:
             engine.load_weights(model_path)
@@ -377,6 +386,8 @@ class RolloutServer:
         """SGLang /generate: one prompt or a batch; a list response for batched input."""
         if (resp := self._not_ready()) is not None:
             return resp
+        if (blocked := self.weights.generation_blocked()) is not None:
+            return _error(blocked, 503)
         try:
             body = await _json_body(request)
             items, batched = parse_generate_request(body, self.engine)
@@ -537,6 +548,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="batch-invariant results: generate each request in a batch of its own")
     p.add_argument("--parent-pid", type=int, default=0,
                    help="exit when this process (the launching trainer) is gone, even if it was SIGKILLed")
+    p.add_argument("--weight-update-timeout-s", type=float, default=120.0,
+                   help="bound of a weight-update group's rendezvous and of each weight broadcast")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return p
 
@@ -568,7 +581,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.model_path, args.tokenizer_path, model_loader=resolve_model_loader(args.model_loader),
         random_seed=args.random_seed, batch_window_s=args.batch_window_ms / 1000.0,
         max_batch_size=args.max_batch_size, weight_version=args.weight_version, host=args.host, port=args.port,
-        exit_on_load_error=True, deterministic=args.enable_deterministic_inference)
+        exit_on_load_error=True, deterministic=args.enable_deterministic_inference,
+        weight_update_timeout_s=args.weight_update_timeout_s)
     if args.parent_pid > 0:
         watch_parent(args.parent_pid)
     web.run_app(server.make_app(), host=args.host, port=args.port, print=None, access_log=None)

@@ -314,36 +314,34 @@ class Learner:
 
         Names are the local spec's (input_layernorm / pre_mlp_layernorm also on the TE path), layer
         numbers are global, and a tied output layer is exported once as the embedding. Collective:
-        every rank must call it.
+        every rank must call it. It holds the whole model on rank 0, so it serves tests and small
+        conversions; weight sync streams instead (trainer/weight_export.py).
         """
-        tp, tp_group = state.tp_size(), state.tp_group()
-        local: dict[str, torch.Tensor] = {}
-        for name, param in self._local_params():
-            data = param.detach()
-            if tp > 1 and getattr(param, "tensor_model_parallel", False):
-                parts = [torch.empty_like(data) for _ in range(tp)]
-                dist.all_gather(parts, data.contiguous(), group=tp_group)
-                if self._is_gated_fc1(name):
-                    halves = [p.chunk(2, dim=0) for p in parts]
-                    data = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-                else:
-                    data = torch.cat(parts, dim=param.partition_dim)
-            local[name] = data.float().cpu().clone()
-        from megatron.core import parallel_state as mpu
+        from megatron_rl.trainer.weight_export import StreamingExporter
 
-        holder = state.tp_rank() == 0 and mpu.get_data_parallel_rank() == 0 and state.cp_rank() == 0
-        if not holder:
+        exporter = StreamingExporter(self)
+        local = {name: full.float().cpu().clone() for name, full in exporter.full_params() if full is not None}
+        if not exporter.is_sender:
             return None
-        if state.pp_size() > 1:
-            gathered: list = [None] * state.pp_size() if state.global_rank() == 0 else None
-            dist.gather_object(local, gathered, dst=0, group=state.pp_group())
-            if state.global_rank() != 0:
-                return None
-            full: dict[str, torch.Tensor] = {}
-            for part in gathered:
-                full.update(part)
-            return full
-        return local if state.global_rank() == 0 else None
+        if state.pp_size() == 1:
+            return local
+        # Stage senders form rank 0's pipeline group: names/shapes first, then one tensor at a time.
+        group, me = state.pp_group(), state.global_rank()
+        metas: Optional[list] = [None] * state.pp_size() if me == 0 else None
+        dist.gather_object([(n, tuple(t.shape)) for n, t in local.items()], metas, dst=0, group=group)
+        device = self._comm_device()
+        if me != 0:
+            for t in local.values():
+                dist.send(t.to(device), dst=0, group=group)
+            return None
+        full = dict(local)
+        for stage in range(1, state.pp_size()):
+            src = dist.get_global_rank(group, stage)
+            for name, shape in metas[stage]:
+                buf = torch.empty(shape, dtype=torch.float32, device=device)
+                dist.recv(buf, src=src, group=group)
+                full[name] = buf.cpu()
+        return full
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Shard a full megatron-named dict onto this rank (every rank passes the same dict) and refresh optimizer copies."""

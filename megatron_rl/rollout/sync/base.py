@@ -1,0 +1,86 @@
+"""What every weight-sync transport does, and the order phases/weights.py calls it in.
+
+One sync of version v, over all learner ranks:
+
+    controller:            transport.begin(v)                 # /pause_generation on every engine
+    stage k sender:        transport.begin_stage(k, P, v)     # distributed: join the stage's group (once)
+                           transport.send_bucket(b, final)    # its layers, bucket by bucket; only the
+                           ...                                # model's last bucket (final) names v
+                           transport.end_stage()
+                           (stages take turns, 0..P-1: engines receive one stream at a time)
+    controller:            transport.commit(v, config_updates)  # disk: publish the checkpoint and load it
+    controller (always):   transport.finish()                    # /continue_generation
+
+So engines learn the new version once, after the last bucket, and never generate between two
+buckets. A transport is built on the controller and on every stage sender from the same config
+and receiver URLs (never a router's).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from megatron_rl.rollout.client import RolloutClient, run_sync
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+class WeightTransport:
+    """Base of the transports: engine URLs, the HTTP client, bucket size, pause/continue around a sync."""
+
+    name = ""
+
+    def __init__(self, receiver_urls: Sequence[str], bucket_mb: float = 512.0, timeout_s: float = 300.0,
+                 pause_mode: str = "abort", client: Optional[RolloutClient] = None) -> None:
+        """`receiver_urls` are the engines themselves (a router does not forward weight updates)."""
+        if not receiver_urls:
+            raise ValueError("receiver_urls must list at least one engine URL")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if pause_mode not in ("abort", "in_place"):
+            raise ValueError(f"pause_mode must be 'abort' or 'in_place', got {pause_mode!r}")
+        self.urls = [u.rstrip("/") for u in receiver_urls]
+        self.bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
+        self.timeout_s = float(timeout_s)
+        self.pause_mode = pause_mode
+        self.client = client or RolloutClient(self.urls, request_timeout_s=self.timeout_s, max_retries=0)
+
+    # ------------------------------------------------------------------ controller
+    def begin(self, weight_version: Any) -> None:
+        """Pause generation on every engine before the first bucket."""
+        run_sync(self.client.call_all("/pause_generation", {"mode": self.pause_mode}, self.timeout_s, check_success=False))
+
+    def commit(self, weight_version: Any, config_updates: Optional[Mapping[str, Any]] = None) -> None:
+        """After every stage sent its buckets (disk publishes and loads the checkpoint here)."""
+
+    def finish(self) -> None:
+        """Resume generation (called even when the sync failed: engines keep their previous weights)."""
+        run_sync(self.client.call_all("/continue_generation", {}, self.timeout_s, check_success=False))
+
+    # ------------------------------------------------------------------ stage senders
+    def begin_stage(self, stage: int, num_stages: int, weight_version: Any) -> None:
+        """Before pipeline stage `stage` (of `num_stages`) sends the buckets of version `weight_version`."""
+        self.stage, self.num_stages, self.weight_version = stage, num_stages, weight_version
+
+    def send_bucket(self, bucket: Bucket, final: bool) -> None:
+        """Hand one bucket to the engines; `final` marks the model's last bucket (the one that names the version)."""
+        raise NotImplementedError
+
+    def end_stage(self) -> None:
+        """After the stage's last bucket."""
+
+    def close(self) -> None:
+        """Release groups and handles."""
+
+    def engine_tp_sizes(self) -> list[int]:
+        """TP size of each receiver (SGLang's /server_info tp_size)."""
+        infos = run_sync(self.client.server_info())
+        return [int(i.get("tp_size", 1) or 1) if isinstance(i, dict) else 1 for i in infos]
+
+
+def dtype_str(dtype: torch.dtype) -> str:
+    """SGLang's dtype string of a torch dtype ('float32', 'bfloat16', 'float8_e4m3fn')."""
+    return str(dtype).removeprefix("torch.")

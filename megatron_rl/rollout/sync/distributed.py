@@ -1,0 +1,152 @@
+"""Distributed weight sync: SGLang's /init_weights_update_group + /update_weights_from_distributed protocol.
+
+Each pipeline stage's sender (TP/DP/CP rank 0 of the stage) owns one weight-update group with
+every engine and is rank 0 of it, so it is the broadcast source SGLang's receiver expects:
+
+    group "<group_name>" (PP = 1) or "<group_name>_pp<k>" (stage k of PP > 1), world = 1 + sum(engine TP sizes)
+        rank 0                       the stage-k sender (hosts the rendezvous store at master_address:port)
+        rank 1 + o_i + t             TP rank t of engine i, o_i = sum of the TP sizes of engines before i
+    port: rollout.weight_sync.master_port + k, or a free port per group when master_port is 0
+
+Engines therefore join one group per stage (as slime does) and rank offsets never collide: a group
+holds exactly one sender. Per bucket the sender POSTs {names, dtypes, shapes, group_name,
+flush_cache, weight_version} to every engine and, while those requests are in flight, broadcasts
+each tensor in `names` order from rank 0 (NCCL on GPU, gloo on CPU, where float8 travels as its
+uint8 bytes). Stages send one after another, so no engine waits on one stage while another
+stage's broadcast waits on it. Groups are joined on the first sync and kept; `close()` sends
+/destroy_weights_update_group.
+"""
+from __future__ import annotations
+
+import socket
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+from urllib.parse import urlparse
+
+import torch
+
+from megatron_rl.config.rollout import LOOPBACK_HOSTS
+from megatron_rl.parallel import weight_group
+from megatron_rl.rollout.client import RolloutClient, RolloutServerError, run_sync
+from megatron_rl.rollout.sync.base import Bucket, WeightTransport, dtype_str
+
+
+def default_master_address(receiver_urls: Sequence[str]) -> str:
+    """127.0.0.1 when every engine runs on this host, else this host's address as its name resolves."""
+    if all((urlparse(u).hostname or "") in LOOPBACK_HOSTS for u in receiver_urls):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+class DistributedWeightSync(WeightTransport):
+    """Transport 'distributed' (see module docstring)."""
+
+    name = "distributed"
+
+    def __init__(self, receiver_urls: Sequence[str], bucket_mb: float = 512.0, timeout_s: float = 300.0,
+                 master_address: Optional[str] = None, master_port: int = 0,
+                 group_name: str = weight_group.DEFAULT_GROUP_NAME, pause_mode: str = "abort",
+                 client: Optional[RolloutClient] = None) -> None:
+        """`receiver_urls` are the engines (never a router)."""
+        super().__init__(receiver_urls, bucket_mb, timeout_s, pause_mode, client)
+        self.master_address = master_address or default_master_address(self.urls)
+        self.master_port = master_port
+        self.base_group_name = group_name
+        self.group = None
+        self.group_name = ""
+        self.backend = ""
+        self._http = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-http")
+
+    def _post(self, path: str, body: dict) -> Future:
+        """POST to every engine from a helper thread (the caller broadcasts meanwhile)."""
+        return self._http.submit(run_sync, self.client.call_all(path, body, self.timeout_s))
+
+    def connect(self, stage: int, num_stages: int, backend: str) -> None:
+        """Join this stage's group with every engine (they POST-join while this rank hosts the rendezvous)."""
+        if self.group is not None:
+            return
+        tp_sizes = self.engine_tp_sizes()
+        world_size = 1 + sum(tp_sizes)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+        port = self.master_port + stage if self.master_port else weight_group.free_port(
+            "127.0.0.1" if self.master_address == "127.0.0.1" else "")
+        name = self.base_group_name if num_stages == 1 else f"{self.base_group_name}_pp{stage}"
+        futures = [self._init_all(port, offsets, world_size, name, backend)]
+        try:
+            group = weight_group.init_weight_update_group(backend, self.master_address, port, 0, world_size, name,
+                                                          self.timeout_s)
+        except Exception as exc:
+            detail = _first_error(futures)
+            raise RolloutServerError(f"weight sync: could not form group {name!r} at {self.master_address}:{port} with "
+                                     f"{len(self.urls)} engine(s) within {self.timeout_s:g} s: {exc}"
+                                     + (f"; engine said: {detail}" if detail else "")) from None
+        try:
+            for f in futures:
+                f.result()
+        except Exception:
+            weight_group.destroy_weight_update_group(group)
+            raise
+        self.group, self.group_name, self.backend = group, name, backend
+
+    def _init_all(self, port: int, offsets: list[int], world_size: int, name: str, backend: str) -> Future:
+        """One request per engine (each has its own rank_offset), all concurrently."""
+        import asyncio
+
+        async def all_engines() -> None:
+            await asyncio.gather(*(RolloutClient(url, request_timeout_s=self.timeout_s, max_retries=0).call_all(
+                "/init_weights_update_group",
+                {"master_address": self.master_address, "master_port": port, "rank_offset": offset,
+                 "world_size": world_size, "group_name": name, "backend": backend}, self.timeout_s)
+                for url, offset in zip(self.urls, offsets)))
+
+        return self._http.submit(run_sync, all_engines())
+
+    def send_bucket(self, bucket: Bucket, final: bool) -> None:
+        """POST the bucket's metadata to every engine and broadcast its tensors in the same order."""
+        device = bucket[0][1].device
+        self.connect(self.stage, self.num_stages, "nccl" if device.type == "cuda" else "gloo")
+        body = {"names": [n for n, _ in bucket], "dtypes": [dtype_str(t.dtype) for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                "flush_cache": final, "abort_all_requests": False}
+        if final:
+            body["weight_version"] = str(self.weight_version)
+        pending = self._post("/update_weights_from_distributed", body)
+        wire = [t.contiguous() for _, t in bucket]
+        if self.backend == "gloo":
+            wire = [t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t for t in wire]
+        try:
+            weight_group.broadcast_from_rank0(wire, self.group)
+        except Exception as exc:
+            detail = _first_error([pending])
+            self._drop_group()
+            raise RolloutServerError(f"weight sync: broadcast on {self.group_name!r} failed: {type(exc).__name__}: "
+                                     f"{str(exc)[:300]}" + (f"; engine said: {detail}" if detail else "")) from None
+        pending.result()
+
+    def _drop_group(self) -> None:
+        try:
+            weight_group.destroy_weight_update_group(self.group)
+        except Exception:  # a broken group may fail to tear down; the next sync joins a fresh one
+            pass
+        self.group = None
+
+    def close(self) -> None:
+        """Engines leave the group, then this rank destroys it."""
+        if self.group is not None:
+            try:
+                run_sync(self.client.call_all("/destroy_weights_update_group", {"group_name": self.group_name},
+                                              self.timeout_s))
+            except RolloutServerError:
+                pass  # engines already gone
+            self._drop_group()
+        self._http.shutdown(wait=False)
+
+
+def _first_error(futures: list[Future], wait_s: float = 5.0) -> Optional[str]:
+    """The first exception message among `futures` that finished (waiting briefly for them)."""
+    for f in futures:
+        try:
+            f.result(timeout=wait_s)
+        except Exception as exc:  # noqa: BLE001 - reported as text
+            return str(exc)
+    return None

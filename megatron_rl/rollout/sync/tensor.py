@@ -1,0 +1,75 @@
+"""Tensor weight sync: SGLang's /update_weights_from_tensor for engines on the learner's host (colocated).
+
+Per bucket, the stage sender pickles `[(name, tensor)]` the way SGLang's MultiprocessingSerializer
+does (rollout/sync/serialization.py): CUDA tensors become CUDA-IPC handles (no copy), CPU tensors
+are copied once into shared memory and travel as shared-memory handles. The request carries one
+entry per engine TP rank (`serialized_named_tensors`), each TP rank maps the same tensors; the
+engine copies them into its weights before it answers, after which the sender drops its handles.
+Only the model's last bucket carries `weight_version` (and flush_cache).
+
+Colocated engines free their memory while the learner trains and take it back before an update:
+`release_memory()` / `resume_memory()` post SGLang's /release_memory_occupation and
+/resume_memory_occupation {tags}. Handles only open on the same host: the config rejects engines
+elsewhere.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_rl.rollout.client import RolloutClient, run_sync
+from megatron_rl.rollout.sync.base import Bucket, WeightTransport
+from megatron_rl.rollout.sync.serialization import serialize_named_tensors
+
+
+def shareable(bucket: Bucket) -> Bucket:
+    """CUDA tensors as they are (IPC shares their memory); CPU tensors copied into shared memory."""
+    out = []
+    for name, t in bucket:
+        if t.device.type == "cpu":
+            shm = torch.empty(t.shape, dtype=t.dtype).share_memory_()
+            shm.copy_(t)
+            t = shm
+        out.append((name, t))
+    return out
+
+
+class TensorWeightSync(WeightTransport):
+    """Transport 'tensor' (see module docstring)."""
+
+    name = "tensor"
+
+    def __init__(self, receiver_urls: Sequence[str], bucket_mb: float = 512.0, timeout_s: float = 300.0,
+                 pause_mode: str = "abort", client: Optional[RolloutClient] = None) -> None:
+        """`receiver_urls` are engines on this host."""
+        super().__init__(receiver_urls, bucket_mb, timeout_s, pause_mode, client)
+        self._tp_sizes: Optional[list[int]] = None
+
+    def send_bucket(self, bucket: Bucket, final: bool) -> None:
+        """POST the bucket's handles to every engine (one entry per engine TP rank) and wait for all of them."""
+        if self._tp_sizes is None:
+            self._tp_sizes = self.engine_tp_sizes()
+        tensors = shareable(bucket)
+        blob = serialize_named_tensors(tensors)
+        base = {"load_format": None, "flush_cache": final, "abort_all_requests": False}
+        if final:
+            base["weight_version"] = str(self.weight_version)
+
+        async def all_engines() -> None:
+            await asyncio.gather(*(
+                RolloutClient(url, request_timeout_s=self.timeout_s, max_retries=0).call_all(
+                    "/update_weights_from_tensor", {**base, "serialized_named_tensors": [blob] * tp}, self.timeout_s)
+                for url, tp in zip(self.urls, self._tp_sizes)))
+
+        run_sync(all_engines())
+        del tensors  # every engine has copied them: the shared memory can go
+
+    def release_memory(self, tags: Optional[list[str]] = None) -> None:
+        """POST /release_memory_occupation {tags} to every engine (None: weights and KV cache)."""
+        run_sync(self.client.call_all("/release_memory_occupation", {"tags": tags}, self.timeout_s, check_success=False))
+
+    def resume_memory(self, tags: Optional[list[str]] = None) -> None:
+        """POST /resume_memory_occupation {tags} to every engine."""
+        run_sync(self.client.call_all("/resume_memory_occupation", {"tags": tags}, self.timeout_s, check_success=False))

@@ -1,0 +1,279 @@
+"""HTTP handlers of the embedded server's weight endpoints, field for field SGLang's (io_struct.py):
+
+    POST /init_weights_update_group     {master_address, master_port, rank_offset, world_size, group_name, backend}
+    POST /destroy_weights_update_group  {group_name}
+    POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, abort_all_requests,
+                                        weight_version, load_format: null | "flattened_bucket"}
+    POST /update_weights_from_tensor    {serialized_named_tensors, load_format: null | "direct" | "flattened_bucket",
+                                        flush_cache, abort_all_requests, weight_version}
+    GET|POST /get_weights_by_name       {name, truncate_size=100} -> the tensor's first rows as a JSON list
+    GET|POST /release_memory_occupation, /resume_memory_occupation {tags: ["weights", "kv_cache"] | null}
+
+Updates answer {"success", "message"} (HTTP 400 on failure). Receiving (rendezvous, broadcasts,
+shared-memory handles) runs on a thread pool of its own, so generation continues on the old
+weights meanwhile; the check-and-swap runs on the engine's worker thread between batches
+(rollout/weight_receiver.py), which also sets the weight version the next batch is tagged with.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable, Optional
+
+from aiohttp import web
+
+from megatron_rl.parallel.weight_group import DEFAULT_GROUP_NAME
+from megatron_rl.rollout import weight_receiver as wr
+
+log = logging.getLogger("megatron_rl.rollout.weights")
+
+ReadJson = Callable[..., Awaitable[dict]]
+
+
+def _result(success: bool, message: str) -> web.Response:
+    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+
+def _opt_bool(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise wr.WeightUpdateError(f"{key} must be a boolean, got {value!r}")
+    return value
+
+
+def _opt_version(body: dict) -> Optional[str]:
+    version = body.get("weight_version")
+    if version is None:
+        return None
+    if isinstance(version, bool) or not isinstance(version, (str, int)):
+        raise wr.WeightUpdateError(f"weight_version must be a string, got {version!r}")
+    return str(version)
+
+
+class WeightEndpoints:
+    """Weight-update state of one RolloutServer (groups, released memory) and its handlers."""
+
+    def __init__(self, server: Any, read_json: ReadJson, timeout_s: float = 120.0) -> None:
+        """`server` is the RolloutServer (engine, worker executor, weight_version, abort epoch)."""
+        self.server = server
+        self.read_json = read_json
+        self.groups = wr.WeightGroups(timeout_s)
+        self._recv = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weights")
+        self._served: Optional[wr.ServedWeights] = None
+        self._released: dict[str, Any] = {}
+
+    def routes(self) -> list[tuple[str, str, Callable]]:
+        """(method, path, handler) of every weight endpoint."""
+        return [
+            ("POST", "/init_weights_update_group", self.init_weights_update_group),
+            ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
+            ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
+            ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor),
+            ("*", "/get_weights_by_name", self.get_weights_by_name),
+            ("*", "/release_memory_occupation", self.release_memory_occupation),
+            ("*", "/resume_memory_occupation", self.resume_memory_occupation),
+        ]
+
+    def close(self) -> None:
+        """Leave every group and stop the receive threads."""
+        self.groups.close()
+        self._recv.shutdown(wait=False, cancel_futures=True)
+
+    def generation_blocked(self) -> Optional[str]:
+        """Why /generate must wait (memory released), or None."""
+        if self._released:
+            return (f"engine memory is released (tags {sorted(self._released)}); "
+                    "POST /resume_memory_occupation first")
+        return None
+
+    # ------------------------------------------------------------------------------ helpers
+    def served(self) -> wr.ServedWeights:
+        """Index of the current model's tensors (rebuilt when a disk update replaced the model object)."""
+        model = self.server.engine.model
+        if self._served is None or self._served.model is not model:
+            self._served = wr.ServedWeights(model)
+        return self._served
+
+    async def _body(self, request: web.Request, allow_empty: bool = False) -> dict:
+        try:
+            return await self.read_json(request, allow_empty=allow_empty)
+        except ValueError as exc:
+            raise wr.WeightUpdateError(str(exc)) from None
+
+    async def _off_loop(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._recv, fn, *args)
+
+    async def _swap(self, staged: list, version: Optional[str], abort_all: bool) -> int:
+        """Check and copy staged tensors on the engine thread, then publish `version`; returns tensors written."""
+        if "weights" in self._released:
+            raise wr.WeightUpdateError("weights are released; POST /resume_memory_occupation with tags ['weights'] first")
+        if abort_all:
+            self.server._abort_epoch += 1
+
+        def job() -> int:
+            served = self.served()
+            served.check(staged)
+            written = served.apply(staged)
+            if version is not None:
+                self.server.weight_version = version
+            return written
+
+        return await asyncio.get_running_loop().run_in_executor(self.server._executor, job)
+
+    def _not_ready(self) -> Optional[web.Response]:
+        if self.server.engine is None:
+            return _result(False, "server is starting (model loading)")
+        return None
+
+    # ----------------------------------------------------------------------------- handlers
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """Join a trainer's group; answers once every rank has joined."""
+        if (resp := self._not_ready()) is not None:
+            return resp
+        try:
+            b = await self._body(request)
+            msg = await self._off_loop(self.groups.init, b.get("master_address"), b.get("master_port"),
+                                       b.get("rank_offset"), b.get("world_size"),
+                                       b.get("group_name", DEFAULT_GROUP_NAME), b.get("backend", "nccl"))
+        except wr.WeightUpdateError as exc:
+            return _result(False, str(exc))
+        return _result(True, msg)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        """Leave a group."""
+        try:
+            b = await self._body(request, allow_empty=True)
+            msg = await self._off_loop(self.groups.destroy, b.get("group_name", DEFAULT_GROUP_NAME))
+        except wr.WeightUpdateError as exc:
+            return _result(False, str(exc))
+        return _result(True, msg)
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """Receive the named tensors the trainer broadcasts (in `names` order), verify, swap."""
+        if (resp := self._not_ready()) is not None:
+            return resp
+        try:
+            b = await self._body(request)
+            names, dtypes, shapes = b.get("names"), b.get("dtypes"), b.get("shapes")
+            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not names:
+                raise wr.WeightUpdateError("update_weights_from_distributed: names, dtypes and shapes must be non-empty lists")
+            if not len(names) == len(dtypes) == len(shapes):
+                raise wr.WeightUpdateError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes "
+                                           f"and {len(shapes)} shapes")
+            if not all(isinstance(n, str) for n in names):
+                raise wr.WeightUpdateError("update_weights_from_distributed: names must be strings")
+            entries = [(n, wr.parse_dtype(d), wr.parse_shape(s, n)) for n, d, s in zip(names, dtypes, shapes)]
+            load_format = b.get("load_format")
+            if load_format not in (None, "flattened_bucket"):
+                raise wr.WeightUpdateError(f"update_weights_from_distributed: load_format={load_format!r} must be null "
+                                           "or 'flattened_bucket'")
+            group_name = b.get("group_name", DEFAULT_GROUP_NAME)
+            version, abort_all = _opt_version(b), _opt_bool(b, "abort_all_requests", False)
+            _opt_bool(b, "flush_cache", True)  # no prefix cache survives a batch here: nothing to flush
+            self.groups.get(group_name)
+            problems = self.served().problems(entries)  # reported after the broadcast, which must be consumed anyway
+            staged = await self._off_loop(self.groups.receive, group_name, entries, load_format)
+            if problems:
+                raise wr.WeightUpdateError(f"update_weights_from_distributed: {len(problems)} of {len(entries)} tensors do "
+                                           "not match the served model: " + "; ".join(problems[:8])
+                                           + " (weights unchanged)")
+            written = await self._swap(staged, version, abort_all)
+        except wr.WeightUpdateError as exc:
+            log.warning("%s", exc)
+            return _result(False, str(exc))
+        return _result(True, f"Succeeded to update parameter online ({written} tensors)."
+                       + (f" Weight version updated to {version}." if version is not None else ""))
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """Map the tensors behind serialized handles (TP rank 0's entry), verify, swap."""
+        from megatron_rl.rollout.sync.serialization import deserialize_named_tensors, named_tensor_list, unflatten_bucket
+
+        if (resp := self._not_ready()) is not None:
+            return resp
+        try:
+            b = await self._body(request)
+            blobs = b.get("serialized_named_tensors")
+            if not isinstance(blobs, list) or not blobs:
+                raise wr.WeightUpdateError("update_weights_from_tensor: serialized_named_tensors must be a non-empty list "
+                                           "(one entry per TP rank)")
+            load_format = b.get("load_format")
+            if load_format not in (None, "direct", "flattened_bucket"):
+                raise wr.WeightUpdateError(f"update_weights_from_tensor: load_format={load_format!r} must be null, "
+                                           "'direct' or 'flattened_bucket'")
+            version, abort_all = _opt_version(b), _opt_bool(b, "abort_all_requests", False)
+            _opt_bool(b, "flush_cache", True)
+
+            def load() -> list:
+                try:
+                    obj = deserialize_named_tensors(blobs[0])
+                    return unflatten_bucket(obj) if load_format == "flattened_bucket" else named_tensor_list(obj)
+                except ValueError as exc:
+                    raise wr.WeightUpdateError(f"update_weights_from_tensor: {exc}") from None
+
+            staged = await self._off_loop(load)
+            written = await self._swap(staged, version, abort_all)
+            del staged
+        except wr.WeightUpdateError as exc:
+            log.warning("%s", exc)
+            return _result(False, str(exc))
+        return _result(True, f"Succeeded to update model weights ({written} tensors)."
+                       + (f" Weight version updated to {version}." if version is not None else ""))
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """The first `truncate_size` rows of a served tensor (HF name)."""
+        if self.server.engine is None:
+            return web.json_response({"error": {"message": "server is starting (model loading)", "code": 503}}, status=503)
+        try:
+            b = await self._body(request)
+            name, size = b.get("name"), b.get("truncate_size", 100)
+            if not isinstance(name, str):
+                raise wr.WeightUpdateError("get_weights_by_name: name (string) is required")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise wr.WeightUpdateError(f"get_weights_by_name: truncate_size must be a non-negative integer, got {size!r}")
+            if "weights" in self._released:
+                raise wr.WeightUpdateError("get_weights_by_name: weights are released")
+            values = await asyncio.get_running_loop().run_in_executor(
+                self.server._executor, lambda: self.served().read(name, size))
+        except wr.WeightUpdateError as exc:
+            return web.json_response({"error": {"message": str(exc), "code": 400}}, status=400)
+        return web.json_response(values)
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        """Free weight storage (tag 'weights') and stop generating until resumed (colocated training)."""
+        if (resp := self._not_ready()) is not None:
+            return resp
+        try:
+            tags = wr.parse_tags((await self._body(request, allow_empty=True)).get("tags"))
+        except wr.WeightUpdateError as exc:
+            return _result(False, str(exc))
+
+        def job() -> None:
+            for tag in tags:
+                if tag in self._released:
+                    continue
+                # no KV cache outlives a batch here, so releasing it only blocks generation
+                self._released[tag] = wr.release_weights(self.server.engine.model) if tag == "weights" else None
+
+        await asyncio.get_running_loop().run_in_executor(self.server._executor, job)
+        return _result(True, f"Released memory of {list(tags)}.")
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        """Re-allocate released memory (weights come back zero-filled: push them again)."""
+        if (resp := self._not_ready()) is not None:
+            return resp
+        try:
+            tags = wr.parse_tags((await self._body(request, allow_empty=True)).get("tags"))
+        except wr.WeightUpdateError as exc:
+            return _result(False, str(exc))
+
+        def job() -> None:
+            for tag in tags:
+                held = self._released.pop(tag, None)
+                if tag == "weights" and held is not None:
+                    wr.resume_weights(held)
+
+        await asyncio.get_running_loop().run_in_executor(self.server._executor, job)
+        return _result(True, f"Resumed memory of {list(tags)}.")
