@@ -1,7 +1,7 @@
 """Weight-update process groups between a trainer and rollout engines, as SGLang builds them.
 
 SGLang's `/init_weights_update_group` joins a group created by `init_custom_process_group`: a
-TCPStore rendezvous at `tcp://master_address:master_port` (the trainer, rank 0, hosts the store),
+TCPStore at `master_address:master_port` (the trainer, rank 0, hosts it; `tcp://` rendezvous),
 a `PrefixStore(group_name)` over it, then torch's `_new_process_group_helper` with that group
 name. The store keys therefore depend on the exact construction, so both sides here build the
 group the same way: a trainer script written for SGLang (or SGLang's own helper) rendezvous with
@@ -31,7 +31,7 @@ def check_private_api() -> None:
     """Raise RuntimeError naming what is missing when torch no longer has the entry points used here."""
     from torch.distributed import distributed_c10d as c10d
 
-    missing = [n for n in ("rendezvous", "PrefixStore", "_new_process_group_helper", "_world", "Backend") if not hasattr(c10d, n)]
+    missing = [n for n in ("PrefixStore", "_new_process_group_helper", "_world", "Backend") if not hasattr(c10d, n)]
     if missing:
         raise RuntimeError(f"torch {torch.__version__} lacks torch.distributed.distributed_c10d.{missing}: "
                            "weight-update groups cannot be created as SGLang creates them")
@@ -51,7 +51,7 @@ def init_weight_update_group(backend: str, master_address: str, master_port: int
     `timeout_s` bounds the rendezvous and every later collective of the group (a broadcast that
     never comes raises after it instead of hanging).
     """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     check_private_api()
     if world_size < 2 or not 0 <= rank < world_size:
@@ -61,8 +61,10 @@ def init_weight_update_group(backend: str, master_address: str, master_port: int
     if group_name in _world.pg_names.values():
         raise ValueError(f"a process group named {group_name!r} already exists in this process")
     timeout = timedelta(seconds=float(timeout_s))
-    store, rank, world_size = next(rendezvous(f"tcp://{_bracket_ipv6(master_address)}:{int(master_port)}",
-                                              rank, world_size, timeout=timeout))
+    # What rendezvous("tcp://...") builds outside torchrun, stated directly: under torchrun (the
+    # learner) rendezvous would only connect to the elastic agent's store instead of hosting ours.
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
+                          multi_tenant=True)
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters else "pg_options"
@@ -101,5 +103,3 @@ def _forget_group_name(group_name: str) -> None:
                 _world.pg_names.pop(pg, None)
 
 
-def _bracket_ipv6(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

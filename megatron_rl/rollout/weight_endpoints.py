@@ -137,7 +137,9 @@ class WeightEndpoints:
             b = await self._body(request)
             msg = await self._off_loop(self.groups.init, b.get("master_address"), b.get("master_port"),
                                        b.get("rank_offset"), b.get("world_size"),
-                                       b.get("group_name", DEFAULT_GROUP_NAME), b.get("backend", "nccl"))
+                                       b.get("group_name", DEFAULT_GROUP_NAME),
+                                       # SGLang defaults to nccl; a CPU engine can only take gloo
+                                       b.get("backend") or ("gloo" if self.groups.device == "cpu" else "nccl"))
         except wr.WeightUpdateError as exc:
             return _result(False, str(exc))
         return _result(True, msg)
