@@ -2,7 +2,9 @@
 
 Same warm start, seed and global batch; per-step bounds (calib/lower, calib/upper, targets), losses,
 clip fractions and every other logged metric must match the DP=1 run to ~1e-5, and the rollouts
-(all 16 sampled texts of each step) must be identical.
+(all 16 sampled texts of each step) must be identical. The multi-process runs sync weights with the
+other transports (DP=2: `tensor`, TP=2: `distributed` over gloo) while the reference uses `disk`, so
+identical rollouts also show that every transport leaves the engine with the same weights.
 
 Layout notes. The DP=1 and TP=2 runs use micro-batches of 8 rows; the DP=2 run uses 4 rows per rank,
 so every micro-batch step of the loss sees the same 8 rows globally (the calibration statistics
@@ -46,8 +48,10 @@ def test_dp2_and_tp2_match_single_process(tmp_path_factory, tmp_path):
     # the comparison must be about calibrated bounds, not the defaults 1 - eps_low / 1 + eps_high
     assert any(abs(r["calib/lower"] - 0.8) > 1e-3 for r in single)
     assert all(r["groups/no_spread_frac"] < 1.0 for r in single)
-    dp2 = train(tmp_path / "dp2", tiny_overrides(warm, *COMMON, "train.micro_batch_size=4"), nproc=2)
+    dp2 = train(tmp_path / "dp2", tiny_overrides(warm, *COMMON, "train.micro_batch_size=4",
+                                                 "rollout.weight_sync.transport=tensor"), nproc=2)
     _assert_same(single, dp2, "DP=2")
     tp2 = train(tmp_path / "tp2", tiny_overrides(warm, *COMMON, "train.micro_batch_size=8",
-                                                 "parallel.tensor_model_parallel_size=2"), nproc=2)
+                                                 "parallel.tensor_model_parallel_size=2",
+                                                 "rollout.weight_sync.transport=distributed"), nproc=2)
     _assert_same(single, tp2, "TP=2")
