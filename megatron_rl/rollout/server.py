@@ -282,7 +282,7 @@ class RolloutServer:
             "tp_size": 1, "dp_size": 1, "pp_size": 1, "max_running_requests": self.max_batch_size,
             "batch_window_s": self.batch_window_s, "weight_version": self.weight_version,
             "enable_deterministic_inference": self.deterministic,
-            "version": SERVER_VERSION, "engine": "embedded-cpu",
+            "version": SERVER_VERSION, "engine": "embedded-cpu", "device": "cpu",
             "internal_states": [{"loaded": self.engine is not None, "running_requests": self._running,
                                  "queued_requests": self._queue.qsize() if self._queue else 0,
                                  "paused": bool(self._unpaused and not self._unpaused.is_set())}],

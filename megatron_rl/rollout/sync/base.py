@@ -47,6 +47,7 @@ class WeightTransport:
         self.timeout_s = float(timeout_s)
         self.pause_mode = pause_mode
         self.client = client or RolloutClient(self.urls, request_timeout_s=self.timeout_s, max_retries=0)
+        self._engine_info: Optional[list[dict]] = None
 
     # ------------------------------------------------------------------ controller
     def begin(self, weight_version: Any) -> None:
@@ -75,10 +76,23 @@ class WeightTransport:
     def close(self) -> None:
         """Release groups and handles."""
 
+    def engine_info(self) -> list[dict]:
+        """Per receiver: {"tp_size", "cpu"} from SGLang's /server_info (fetched once); "cpu" engines need CPU tensors."""
+        if self._engine_info is None:
+            infos = run_sync(self.client.server_info())
+            self._engine_info = [{
+                "tp_size": int(i.get("tp_size", 1) or 1) if isinstance(i, dict) else 1,
+                "cpu": isinstance(i, dict) and (i.get("device") == "cpu" or i.get("engine") == "embedded-cpu"),
+            } for i in infos]
+        return self._engine_info
+
     def engine_tp_sizes(self) -> list[int]:
         """TP size of each receiver (SGLang's /server_info tp_size)."""
-        infos = run_sync(self.client.server_info())
-        return [int(i.get("tp_size", 1) or 1) if isinstance(i, dict) else 1 for i in infos]
+        return [i["tp_size"] for i in self.engine_info()]
+
+    def any_cpu_engine(self) -> bool:
+        """Whether a receiver runs on CPU (then CUDA tensors are copied to host memory before they travel)."""
+        return any(i["cpu"] for i in self.engine_info())
 
 
 def dtype_str(dtype: torch.dtype) -> str:

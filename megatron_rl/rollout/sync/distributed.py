@@ -11,8 +11,8 @@ every engine and is rank 0 of it, so it is the broadcast source SGLang's receive
 Engines therefore join one group per stage (as slime does) and rank offsets never collide: a group
 holds exactly one sender. Per bucket the sender POSTs {names, dtypes, shapes, group_name,
 flush_cache, weight_version} to every engine and, while those requests are in flight, broadcasts
-each tensor in `names` order from rank 0 (NCCL on GPU, gloo on CPU, where float8 travels as its
-uint8 bytes). Stages send one after another, so no engine waits on one stage while another
+each tensor in `names` order from rank 0 (NCCL for a GPU learner and GPU engines; gloo when either
+side is on CPU, host copies of the bucket then, and float8 travels as its uint8 bytes). Stages send one after another, so no engine waits on one stage while another
 stage's broadcast waits on it. Groups are joined on the first sync and kept; `close()` sends
 /destroy_weights_update_group.
 """
@@ -103,8 +103,9 @@ class DistributedWeightSync(WeightTransport):
 
     def send_bucket(self, bucket: Bucket, final: bool) -> None:
         """POST the bucket's metadata to every engine and broadcast its tensors in the same order."""
-        device = bucket[0][1].device
-        self.connect(self.stage, self.num_stages, "nccl" if device.type == "cuda" else "gloo")
+        if bucket[0][1].device.type == "cuda" and self.any_cpu_engine():
+            bucket = [(n, t.cpu()) for n, t in bucket]  # CPU engines only speak gloo
+        self.connect(self.stage, self.num_stages, "nccl" if bucket[0][1].device.type == "cuda" else "gloo")
         body = {"names": [n for n, _ in bucket], "dtypes": [dtype_str(t.dtype) for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                 "flush_cache": final, "abort_all_requests": False}

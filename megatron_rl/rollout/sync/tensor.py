@@ -45,12 +45,11 @@ class TensorWeightSync(WeightTransport):
                  pause_mode: str = "abort", client: Optional[RolloutClient] = None) -> None:
         """`receiver_urls` are engines on this host."""
         super().__init__(receiver_urls, bucket_mb, timeout_s, pause_mode, client)
-        self._tp_sizes: Optional[list[int]] = None
 
     def send_bucket(self, bucket: Bucket, final: bool) -> None:
         """POST the bucket's handles to every engine (one entry per engine TP rank) and wait for all of them."""
-        if self._tp_sizes is None:
-            self._tp_sizes = self.engine_tp_sizes()
+        if self.any_cpu_engine():  # a CPU engine cannot open CUDA-IPC handles
+            bucket = [(n, t.cpu()) for n, t in bucket]
         tensors = shareable(bucket)
         blob = serialize_named_tensors(tensors)
         base = {"load_format": None, "flush_cache": final, "abort_all_requests": False}
@@ -61,7 +60,7 @@ class TensorWeightSync(WeightTransport):
             await asyncio.gather(*(
                 RolloutClient(url, request_timeout_s=self.timeout_s, max_retries=0).call_all(
                     "/update_weights_from_tensor", {**base, "serialized_named_tensors": [blob] * tp}, self.timeout_s)
-                for url, tp in zip(self.urls, self._tp_sizes)))
+                for url, tp in zip(self.urls, self.engine_tp_sizes())))
 
         run_sync(all_engines())
         del tensors  # every engine has copied them: the shared memory can go
