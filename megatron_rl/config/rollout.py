@@ -1,10 +1,11 @@
 """Rollout engines, the HTTP client that drives them, and weight sync."""
 from __future__ import annotations
 
+import math
 from typing import Literal, Optional
+from urllib.parse import urlparse
 
 from pydantic import model_validator
-from urllib.parse import urlparse
 
 from megatron_rl.config.base import StrictConfig
 
@@ -32,9 +33,7 @@ class WeightSyncConfig(StrictConfig):
     """How new weights travel from the learner to the engines (rollout/sync/, one module per transport)."""
 
     transport: Literal["disk", "distributed", "tensor"] = "disk"
-    """disk: HF checkpoint in sync_dir + /update_weights_from_disk (shared filesystem); distributed: SGLang's
-    /init_weights_update_group + /update_weights_from_distributed (NCCL on GPU, gloo on CPU); tensor:
-    /update_weights_from_tensor with CUDA-IPC / shared-memory handles (engines on the learner's host)."""
+    """disk: HF checkpoints in sync_dir + /update_weights_from_disk; distributed: SGLang's weight-update group broadcast (NCCL/gloo); tensor: /update_weights_from_tensor handles (engines on this host)."""
     bucket_mb: float = 512.0
     """Largest bucket of HF tensors exported and sent at once (a single larger tensor travels alone)."""
     sync_dir: Optional[str] = None
@@ -44,23 +43,20 @@ class WeightSyncConfig(StrictConfig):
     timeout_s: float = 300.0
     """Bound of one weight-update request, the group rendezvous and each broadcast (engines get it too)."""
     master_address: Optional[str] = None
-    """Address engines use to reach a stage sender's weight-update group (default: 127.0.0.1 when every engine
-    is on this host, else this host's name resolved to an address)."""
+    """Address engines reach a stage sender's group at (default: 127.0.0.1 if every engine is local, else this host's address)."""
     master_port: int = 0
     """Port of stage 0's weight-update group (stage k uses master_port + k); 0 = a free port per group."""
     group_name: str = "weight_update_group"
-    """Name of the weight-update group (pipeline stage k > 0 of a PP > 1 learner appends _pp{k})."""
+    """Name of the weight-update group (with PP > 1, stage k uses <group_name>_pp<k>)."""
     pause_mode: Literal["abort", "in_place"] = "abort"
-    """/pause_generation mode around an update: abort (SGLang's default; in-flight requests end as 'abort', so
-    no sample mixes weight versions) or in_place (embedded engines finish the running batch on the old weights;
-    on SGLang an in-flight request may continue on the new weights)."""
+    """/pause_generation mode around an update: abort (SGLang's default, in-flight requests end as 'abort') or in_place."""
 
     @model_validator(mode="after")
     def _check(self) -> "WeightSyncConfig":
-        if not self.bucket_mb > 0:
-            raise ValueError(f"rollout.weight_sync.bucket_mb must be > 0, got {self.bucket_mb}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"rollout.weight_sync.timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 < self.bucket_mb < math.inf:
+            raise ValueError(f"rollout.weight_sync.bucket_mb must be > 0 and finite, got {self.bucket_mb}")
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"rollout.weight_sync.timeout_s must be > 0 and finite, got {self.timeout_s}")
         if not 0 <= self.master_port <= 65535:
             raise ValueError(f"rollout.weight_sync.master_port must be in [0, 65535], got {self.master_port}")
         if self.keep_last < 1:

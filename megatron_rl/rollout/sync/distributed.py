@@ -68,6 +68,8 @@ class DistributedWeightSync(WeightTransport):
         tp_sizes = self.engine_tp_sizes()
         world_size = 1 + sum(tp_sizes)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+        if self.master_port and self.master_port + stage > 65535:
+            raise ValueError(f"rollout.weight_sync.master_port={self.master_port} + pipeline stage {stage} is not a TCP port")
         port = self.master_port + stage if self.master_port else weight_group.free_port(
             "127.0.0.1" if self.master_address == "127.0.0.1" else "")
         name = self.base_group_name if num_stages == 1 else f"{self.base_group_name}_pp{stage}"
