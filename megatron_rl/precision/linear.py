@@ -1,4 +1,4 @@
-"""Fake-quant FP8 linear layers for the CPU learner, emulating TE's recipes GEMM by GEMM.
+"""Fake-quant FP8 (and FP4) linear layers for the CPU learner, emulating TE's recipes GEMM by GEMM.
 
 Like TE, every GEMM consumes FP8 operands with fp32 accumulation (here: dequantized values and
 an fp32 matmul):
@@ -12,6 +12,9 @@ scaled along the contraction dim of fprop/dgrad, column-wise copies along tokens
 contraction), both quantized from high precision as TE does. For per-tensor recipes
 (tensorwise, delayed) both copies are the same values. The bias gradient is taken from the
 high-precision dY (TE fuses it into the quantization of dY).
+
+The FP4 recipes (nvfp4, mxfp4) plug their own operand rules into the same GEMMs through
+`make_quantizer` (precision/fp4_linear.py).
 
 The megatron subclasses override ``_forward_impl``, the hook ColumnParallelLinear and
 RowParallelLinear call with the arguments of linear_with_grad_accumulation_and_async_allreduce,
@@ -102,6 +105,15 @@ class ModuleQuantizer:
             self.delayed[k].load_state_dict(v)
 
 
+def make_quantizer(cfg: PrecisionConfig):
+    """The per-module quantizer of cfg.recipe: FP8 recipes share ModuleQuantizer, FP4 recipes use Fp4ModuleQuantizer."""
+    if cfg.fp4_enabled:
+        from megatron_rl.precision.fp4_linear import Fp4ModuleQuantizer
+
+        return Fp4ModuleQuantizer(cfg)
+    return ModuleQuantizer(cfg)
+
+
 def _tp_amax(x: torch.Tensor, group) -> torch.Tensor:
     """Max |x| over the TP group (TE reduces amax across TP for sequence-parallel inputs)."""
     amax = nx.tensor_amax(x).reshape(1)
@@ -187,7 +199,7 @@ class FakeQuantLinear(torch.nn.Linear):
     def __init__(self, in_features: int, out_features: int, cfg: PrecisionConfig, bias: bool = True, **kwargs):
         """nn.Linear plus its own ModuleQuantizer."""
         super().__init__(in_features, out_features, bias=bias, **kwargs)
-        self.fp8_quant = ModuleQuantizer(cfg)
+        self.fp8_quant = make_quantizer(cfg)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Fake-quant linear, or the plain linear inside high_precision()."""
@@ -203,7 +215,7 @@ class _Fp8ParallelMixin:
 
     def _init_fp8(self) -> None:
         """Attach the per-module quantizer (delayed-scaling state lives here)."""
-        self.fp8_quant = ModuleQuantizer(self.fp8_policy)
+        self.fp8_quant = make_quantizer(self.fp8_policy)
         if self.fp8_policy.recipe == "delayed":
             from megatron.core import parallel_state
 
@@ -214,7 +226,7 @@ class _Fp8ParallelMixin:
                     self.fp8_quant.amax_group = group
 
     def get_extra_state(self) -> Optional[dict]:
-        """Delayed-scaling histories and scales (None for stateless recipes): checkpointed as TE's _extra_state is."""
+        """Delayed-scaling histories and scales, FP4 stream positions (None for stateless recipes): checkpointed as TE's _extra_state is."""
         return self.fp8_quant.state_dict() or None
 
     def set_extra_state(self, state) -> None:
