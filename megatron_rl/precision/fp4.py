@@ -140,6 +140,12 @@ def quantize_nvfp4(x2d: torch.Tensor, block: Block = (1, NVFP4_BLOCK), uniforms:
     amax_b * (s_enc * (1/6)); either can differ from this in the last bit of a scale (rarely).
     """
     xf = x2d.float()
+    q, _, s_b, s_enc = _nvfp4_blocks(xf, block, uniforms, amax)
+    return Fp4Tensor("nvfp4", _crop(q, xf.shape), s_b, s_enc, tuple(block))
+
+
+def _nvfp4_blocks(xf: torch.Tensor, block: Block, uniforms: Optional[torch.Tensor], amax: Optional[torch.Tensor]):
+    """(q, d) in the [nr, br, nc, bc] block view, s_b and s_enc: steps 2-7 of quantize_nvfp4."""
     xb = _pad_blocks(xf, block)
     amax_t = _abs_no_nan(xf).amax() if xf.numel() else torch.zeros((), device=xf.device)
     s_enc = nvfp4_encode_scale(amax_t if amax is None else amax.reshape(()))
@@ -147,7 +153,7 @@ def quantize_nvfp4(x2d: torch.Tensor, block: Block = (1, NVFP4_BLOCK), uniforms:
     d = (s_b.float() / s_enc)[:, None, :, None]
     q = round_e2m1(xb / d, _as_blocks(uniforms, xb))
     q = torch.where(d == 0, xb * 0.0, q)
-    return Fp4Tensor("nvfp4", _crop(q, xf.shape), s_b, s_enc, tuple(block))
+    return q, d, s_b, s_enc
 
 
 def quantize_mxfp4(x2d: torch.Tensor, block: Block = (1, MXFP4_BLOCK), uniforms: Optional[torch.Tensor] = None) -> Fp4Tensor:
@@ -165,14 +171,22 @@ def quantize_mxfp4(x2d: torch.Tensor, block: Block = (1, MXFP4_BLOCK), uniforms:
     NaN elements stay NaN.
     """
     xf = x2d.float()
+    q, _, code = _mxfp4_blocks(xf, block, uniforms)
+    return Fp4Tensor("mxfp4", _crop(q, xf.shape), code, None, tuple(block))
+
+
+def _mxfp4_blocks(xf: torch.Tensor, block: Block, uniforms: Optional[torch.Tensor]):
+    """(q, d) in the [nr, br, nc, bc] block view (d NaN for code 255) and the E8M0 codes: steps 1-5 of quantize_mxfp4."""
     xb = _pad_blocks(xf, block)
     amax_b = _block_amax(xb)
     _, k = torch.frexp(amax_b)
     shared = torch.clamp(k.to(torch.int32) - 1 - 2, E8M0_MIN_EXP, E8M0_MAX_EXP)
-    code = torch.where(torch.isinf(amax_b), torch.full_like(shared, 255), shared + 127)
+    inf = torch.isinf(amax_b)
+    code = torch.where(inf, torch.full_like(shared, 255), shared + 127)
     d = torch.exp2(shared.float())[:, None, :, None]
     q = round_e2m1(xb / d, _as_blocks(uniforms, xb))
-    return Fp4Tensor("mxfp4", _crop(q, xf.shape), code, None, tuple(block))
+    d = torch.where(inf[:, None, :, None], torch.full_like(d, float("nan")), d)
+    return q, d, code
 
 
 def _as_blocks(uniforms: Optional[torch.Tensor], xb: torch.Tensor) -> Optional[torch.Tensor]:
@@ -201,6 +215,18 @@ def quantize_fp4(x2d: torch.Tensor, fmt: Fp4Format, block: Optional[Block] = Non
     raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
 
 
+def fake_quantize(x2d: torch.Tensor, fmt: Fp4Format, block: Block, uniforms: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """quantize_fp4(x2d, fmt, block, uniforms).dequantize() without materialising the codes (same fp32 operations)."""
+    xf = x2d.float()
+    if fmt == "nvfp4":
+        q, d, _, _ = _nvfp4_blocks(xf, block, uniforms, None)
+    elif fmt == "mxfp4":
+        q, d, _ = _mxfp4_blocks(xf, block, uniforms)
+    else:
+        raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
+    return _crop(q * d, xf.shape)
+
+
 def padded_shape(shape: tuple[int, int], block: Block) -> tuple[int, int]:
     """Shape of a 2-D tensor padded to whole blocks (the shape stochastic-rounding uniforms must have)."""
     return -(-shape[0] // block[0]) * block[0], -(-shape[1] // block[1]) * block[1]
@@ -223,8 +249,12 @@ def fake_quant_fp4(x: torch.Tensor, fmt: Fp4Format = "nvfp4", axis: int = -1) ->
         return fake_quant_fp4(x.reshape(1), fmt).reshape(())
     moved = torch.movedim(x.float(), axis, -1)
     x2d = moved.reshape(-1, moved.shape[-1])
-    out = quantize_fp4(x2d, fmt).dequantize()
+    out = fake_quantize(x2d, fmt, (1, NVFP4_BLOCK if fmt == "nvfp4" else MXFP4_BLOCK))
     return torch.movedim(out.reshape(moved.shape), -1, axis)
+
+
+WGRAD_SIGNS = torch.tensor([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], dtype=torch.float32)
+"""Transformer Engine's hard-coded random sign vector of the wgrad Hadamard transform (nvfp4_tensor.py)."""
 
 
 def hadamard16(device: Optional[torch.device] = None) -> torch.Tensor:
@@ -233,10 +263,6 @@ def hadamard16(device: Optional[torch.device] = None) -> torch.Tensor:
     while h.shape[0] < 16:  # Sylvester construction
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (WGRAD_SIGNS.to(device)[:, None] * h) * 0.25
-
-
-WGRAD_SIGNS = torch.tensor([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], dtype=torch.float32)
-"""Transformer Engine's hard-coded random sign vector of the wgrad Hadamard transform (nvfp4_tensor.py)."""
 
 
 def hadamard_along_rows(x2d: torch.Tensor) -> torch.Tensor:

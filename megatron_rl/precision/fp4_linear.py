@@ -72,7 +72,7 @@ class Fp4ModuleQuantizer:
             g = torch.Generator(device=x2d.device)
             g.manual_seed(_mix(self.seed, self.salt, self.backward_calls, stream))
             uniforms = torch.rand(fp4.padded_shape(tuple(x2d.shape), block), generator=g, device=x2d.device)
-        return fp4.quantize_fp4(x2d, self.recipe, block, uniforms).dequantize()
+        return fp4.fake_quantize(x2d, self.recipe, block, uniforms)
 
     def operand_pair(self, role: str, x2d: torch.Tensor, fmt=None, update: bool = True,
                      amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
