@@ -235,13 +235,28 @@ def padded_shape(shape: tuple[int, int], block: Block) -> tuple[int, int]:
 def fake_quant_fp4(x: torch.Tensor, fmt: Fp4Format = "nvfp4", axis: int = -1) -> torch.Tensor:
     """Dequantized float32 tensor of x in `fmt`, blocks of 16 (nvfp4) or 32 (mxfp4) consecutive elements along `axis`.
 
-    Forward rounding (nearest, ties to even). x is first converted to float32. nvfp4 uses one
-    per-tensor scale from the amax of the whole tensor; the last block along `axis` may be ragged
-    (amax over its real elements). The exact float32 operations and their order are in
-    `quantize_nvfp4` and `quantize_mxfp4`. Special values: NaN elements stay NaN and are skipped by
-    every amax; +-inf counts in the amax and saturates to +-6 * d (nvfp4: an inf amax makes
-    s_enc 1 and s_b 448); under mxfp4 a block holding +-inf has a NaN scale and becomes all NaN
-    (OCP); an all-zero block (or an nvfp4 block whose E4M3 scale rounds to 0) is all zeros.
+    Forward rounding. x is first converted to float32 (xf = x.float()); the last block along `axis`
+    may be ragged (its amax is taken over its real elements only). All arithmetic is IEEE float32
+    with round-to-nearest-even, in exactly this order:
+
+    nvfp4 (docs/FACTS.md taken literally; one per-tensor scale over ALL of x):
+      1. amax_t = max |xf| over the whole tensor (NaN skipped)
+      2. s_enc = fp32(2688) / amax_t                  (2688 = 6 * 448; s_enc = 1 when amax_t = 0;
+         beyond FACTS.md, as TE: an overflowing quotient becomes FLT_MAX, amax_t = inf gives 1)
+      3. per block: amax_b = max |xf| over the block (NaN skipped)
+      4. t = amax_b / fp32(6); u = t * s_enc          (two roundings, in this order)
+      5. s_b = float8_e4m3fn(min(u, 448))              (RNE, E4M3 subnormals kept, saturating at 448)
+      6. d = fp32(s_b) / s_enc
+      7. if s_b == 0: the block's values are xf * 0 (zeros; NaN stays NaN), else
+         v = xf / d; q = e2m1_rne(v) saturating at +-6 (ties to the even code); value = q * d
+    mxfp4 (OCP MX v1.0, no per-tensor scale):
+      1. per block: amax_b = max |xf| (NaN skipped)
+      2. e = floor(log2(amax_b)) exactly (from frexp, subnormals included); shared = clamp(e - 2, -127, 127)
+      3. d = 2^shared (exact); v = xf / d (exact); q = e2m1_rne(v) saturating at +-6; value = q * d (exact)
+      (amax_b = 0: all zeros; amax_b = inf: the E8M0 scale is NaN and the block is all NaN)
+
+    Special values: NaN elements stay NaN and never enter an amax; +-inf enters the amax and
+    saturates to +-6 * d (under nvfp4 an inf amax gives s_enc = 1 and s_b = 448).
     """
     if fmt not in ("nvfp4", "mxfp4"):
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")

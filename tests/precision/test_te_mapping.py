@@ -194,3 +194,9 @@ def test_fp4_config_validation():
     with pytest.raises(ValueError, match="fp4_seed"):
         PrecisionConfig(recipe="nvfp4", fp4_seed=-1)
     assert PrecisionConfig(recipe="nvfp4").fp4_enabled and not PrecisionConfig(recipe="mxfp8").fp4_enabled
+    # FP4 rollout weights are not served (no rollout format): rejected when the config loads, by name
+    from megatron_rl.config import ConfigError, load_config
+
+    for value in ("nvfp4", "mxfp4"):
+        with pytest.raises(ConfigError, match="precision.rollout_quantization"):
+            load_config(None, ["precision.recipe=nvfp4", f"precision.rollout_quantization={value}"])
