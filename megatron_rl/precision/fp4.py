@@ -268,7 +268,8 @@ def fake_quant_fp4(x: torch.Tensor, fmt: Fp4Format = "nvfp4", axis: int = -1) ->
     return torch.movedim(out.reshape(moved.shape), -1, axis)
 
 
-WGRAD_SIGNS = torch.tensor([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], dtype=torch.float32)
+WGRAD_SIGNS = torch.tensor(  # device-ok: a constant, moved with .to(device) where used
+    [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], dtype=torch.float32)
 """Transformer Engine's hard-coded random sign vector of the wgrad Hadamard transform (nvfp4_tensor.py)."""
 
 
