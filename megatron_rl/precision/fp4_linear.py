@@ -75,18 +75,21 @@ class Fp4ModuleQuantizer:
         return fp4.fake_quantize(x2d, self.recipe, block, uniforms)
 
     def operand_pair(self, role: str, x2d: torch.Tensor, fmt=None, update: bool = True,
-                     amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     amax: Optional[torch.Tensor] = None, columnwise: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(row-wise, column-wise) dequantized copies of a [tokens, features] input ("input") or output gradient ("grad").
 
         The column-wise (wgrad) copy has its token rows zero-padded to a multiple of 16 when the
-        Hadamard transform is on (both wgrad operands alike, so their product is unchanged).
-        `fmt`, `update` and `amax` belong to the FP8 interface and are ignored.
+        Hadamard transform is on (both wgrad operands alike, so their product is unchanged); it is
+        None when `columnwise` is False (no wgrad follows). `fmt`, `update` and `amax` belong to the
+        FP8 interface and are ignored.
         """
         n = self.block_len
         sr = role == "grad" and self.stochastic
         row = self._quantize(x2d, (1, n), 0 if sr else None)
-        col_in = fp4.hadamard_along_rows(x2d) if self.hadamard else x2d
-        col = self._quantize(col_in, (n, 1), 1 if sr else None)
+        col = None
+        if columnwise:
+            col_in = fp4.hadamard_along_rows(x2d) if self.hadamard else x2d
+            col = self._quantize(col_in, (n, 1), 1 if sr else None)
         if role == "grad":
             self.backward_calls += 1
         return row, col

@@ -141,3 +141,28 @@ def test_high_precision_is_exact_and_empty_batches_work():
         y = fake_quant_linear(xe, we, None, make_quantizer(PrecisionConfig(recipe=recipe)))
         y.sum().backward()
         assert y.shape == (0, 3, N) and torch.equal(we.grad, torch.zeros_like(we))
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "blockwise"])
+def test_forward_only_passes_skip_the_wgrad_copy(recipe, monkeypatch):
+    """No grad mode: the column-wise (wgrad) copy of the input is not built; the output is unchanged."""
+    from megatron_rl.precision import fp4_linear, numerics
+
+    calls = []
+    if recipe == "nvfp4":
+        real = fp4_linear.fp4.hadamard_along_rows
+        monkeypatch.setattr(fp4_linear.fp4, "hadamard_along_rows", lambda x: calls.append(1) or real(x))
+    else:
+        real = numerics.quantize_blockwise_te
+        monkeypatch.setattr(numerics, "quantize_blockwise_te", lambda x, block, *a, **k: calls.append(block) or real(x, block, *a, **k))
+    x, w, _ = _inputs()
+    w = w.requires_grad_()
+    with torch.no_grad():
+        y0 = fake_quant_linear(x, w, None, make_quantizer(PrecisionConfig(recipe=recipe)))
+    n_no_grad = len(calls)
+    y1 = fake_quant_linear(x, w, None, make_quantizer(PrecisionConfig(recipe=recipe)))
+    assert torch.equal(y0, y1)
+    if recipe == "nvfp4":
+        assert (n_no_grad, len(calls)) == (0, 1)
+    else:
+        assert (128, 1) not in calls[:n_no_grad] and (128, 1) in calls[n_no_grad:]
