@@ -35,7 +35,9 @@ from aiohttp import web
 from megatron_rl.rollout.engine import (
     Engine, GenerationOutput, GenerationRequest, InvalidRequest, ModelLoader, SamplingParams,
 )
-from megatron_rl.rollout.http import BadRequest, api_key_middleware, body_middleware, error_response, read_json
+from megatron_rl.rollout.http import (
+    BadRequest, api_key_middleware, body_middleware, error_response, gc_paused, parse_json_object, read_json,
+)
 from megatron_rl.rollout.validation import (
     DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST, ModelFacts, RequestError, RequestLimits, validate_generate,
 )
@@ -44,7 +46,8 @@ log = logging.getLogger("megatron_rl.rollout.server")
 
 SERVER_VERSION = "megatron_rl-embedded-0.1"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-DEFAULT_MAX_BODY_MB = 64.0
+# Parsing a body holds the interpreter lock (~0.5 s at 16 MB of token ids), which bounds /health's stalls.
+DEFAULT_MAX_BODY_MB = 16.0
 # Bodies carrying serialized weights are larger than any generate request.
 DEFAULT_MAX_WEIGHT_BODY_MB = 4096.0
 WEIGHT_BODY_PATHS = ("/update_weights_from_tensor",)
@@ -433,11 +436,18 @@ class RolloutServer:
         """SGLang /generate: one prompt or a batch; a list response for batched input."""
         if (resp := self._not_ready()) is not None:
             return resp
+        raw = await request.read()
+        facts = ModelFacts.of(self.engine)
+
+        def parse_and_validate():
+            # one worker-thread call: the parsed body never outlives it, and the collector stays paused
+            # until it is freed, so a body of many small containers is never traversed
+            with gc_paused():
+                return validate_generate(parse_json_object(raw), facts, self.limits)
+
         try:
-            body = await read_json(request)
-            # off the event loop: validating (and tokenizing) a large body must not delay /health
-            parsed = await asyncio.get_running_loop().run_in_executor(
-                None, validate_generate, body, ModelFacts.of(self.engine), self.limits)
+            # off the event loop: parsing, validating and tokenizing a large body must not delay /health
+            parsed = await asyncio.get_running_loop().run_in_executor(None, parse_and_validate)
         except (BadRequest, RequestError) as exc:
             return _error(str(exc))
         items, batched, stream = parsed.items, parsed.batched, parsed.stream

@@ -103,7 +103,14 @@ def _per_item(value: Any, n: int, name: str, batched: bool) -> list:
     return value
 
 
-def _prompts(body: dict, encode: Optional[Callable[[str], list[int]]], limits: RequestLimits) -> tuple[list[list[int]], bool]:
+def _check_length(prompt: list, k: int, batched: bool, max_context_len: int) -> None:
+    """SGLang's prompt-length rule, checked before the (linear) per-token checks so an oversized prompt is refused cheaply."""
+    if len(prompt) >= max_context_len:
+        raise RequestError(_where(f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                                  f"({max_context_len} tokens).", k, batched))
+
+
+def _prompts(body: dict, model: ModelFacts, limits: RequestLimits) -> tuple[list[list[int]], bool]:
     """(prompt token ids, batched) from input_ids or text."""
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
     if has_ids == has_text:
@@ -118,6 +125,8 @@ def _prompts(body: dict, encode: Optional[Callable[[str], list[int]]], limits: R
             raise RequestError(f"input_ids has {len(prompts)} prompts; the server's limit is {limits.max_sequences} "
                                "sequences per request (--max-sequences-per-request)")
         for k, p in enumerate(prompts):
+            if isinstance(p, list):
+                _check_length(p, k, batched, model.max_context_len)
             if not isinstance(p, list) or not all(_is_int(t) for t in p):
                 raise RequestError(f"input_ids[{k}] must be a list of integers" if batched
                                    else "input_ids must be a list of integers")
@@ -130,15 +139,16 @@ def _prompts(body: dict, encode: Optional[Callable[[str], list[int]]], limits: R
     if len(texts) > limits.max_sequences:
         raise RequestError(f"text has {len(texts)} prompts; the server's limit is {limits.max_sequences} "
                            "sequences per request (--max-sequences-per-request)")
-    if encode is None:
+    if model.encode is None:
         raise RequestError("text input needs a tokenizer (start the server with --tokenizer-path), or send input_ids")
     prompts = []
     for k, t in enumerate(texts):
         try:
-            prompts.append(list(encode(t)))
+            prompts.append(list(model.encode(t)))
         except Exception as exc:  # the tokenizer's own errors (e.g. lone surrogates) are the request's fault
             where = f"text[{k}]" if batched else "text"
             raise RequestError(f"{where} could not be tokenized: {type(exc).__name__}: {exc}") from None
+        _check_length(prompts[-1], k, batched, model.max_context_len)
     return prompts, batched
 
 
@@ -154,7 +164,7 @@ def validate_generate(body: Any, model: ModelFacts, limits: RequestLimits = Requ
     """Validate a parsed /generate body into per-prompt requests; raises RequestError (400) naming the field."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
-    prompts, batched = _prompts(body, model.encode, limits)
+    prompts, batched = _prompts(body, model, limits)
     n_prompts = len(prompts)
     for name in ("logprob_start_len", "top_logprobs_num"):
         for v in _per_item(body.get(name), n_prompts, name, batched):
