@@ -114,7 +114,7 @@ def make_clipper(cfg: RunConfig) -> Optional[CalibratedClipper]:
 def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
     """(cluster, client, transport) on the controller: embedded engines or external URLs."""
     from megatron_rl.rollout.client import RolloutClient
-    from megatron_rl.rollout.launcher import launch_engines
+    from megatron_rl.rollout.launcher import engine_max_n, launch_engines
     from megatron_rl.rollout.sync import get_transport
 
     r = cfg.rollout
@@ -124,7 +124,8 @@ def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
             hf_dir, r.num_engines, tokenizer_path=hf_dir, host=r.host, base_port=r.base_port,
             random_seed=r.seed, use_router=r.use_router, router_policy=r.router_policy,
             startup_timeout_s=r.startup_timeout_s, log_dir=str(run_dir / "logs"),
-            deterministic=r.deterministic_inference,
+            deterministic=r.deterministic_inference, api_key=r.api_key,
+            max_n=engine_max_n(r.n_samples_per_prompt),
         )
         gen_urls, worker_urls = cluster.generate_urls, cluster.worker_urls
     else:

@@ -60,6 +60,8 @@ class RolloutConfig(StrictConfig):
     """Directory for disk weight sync (default: <run_dir>/weights)."""
     seed: int = 0
     """Base random seed of the engines (sampling_seed per request derives from it)."""
+    api_key: Optional[str] = None
+    """Bearer key of the engines (SGLang's --api-key): embedded engines are started with it and every request sends it."""
     deterministic_inference: bool = True
     """Batch-invariant rollouts: embedded engines generate each prompt's request alone, so samples depend only on (weights, prompt, seed), never on co-batched requests (needed for exact resume and DP/TP-invariant runs); external SGLang servers need --enable-deterministic-inference."""
 

@@ -154,8 +154,10 @@ def _spawn(name: str, cmd: list[str], url: str, log_dir: str, env: Optional[dict
 def engine_command(model_path: str, port: int, host: str = "127.0.0.1", tokenizer_path: Optional[str] = None,
                    random_seed: int = 0, model_loader: Optional[str] = None, num_threads: int = 1,
                    extra_args: Sequence[str] = (), deterministic: bool = False,
-                   parent_pid: Optional[int] = None) -> list[str]:
-    """argv of one embedded engine (with `parent_pid` it exits when that process dies)."""
+                   parent_pid: Optional[int] = None, api_key: Optional[str] = None,
+                   max_n: Optional[int] = None) -> list[str]:
+    """argv of one embedded engine (with `parent_pid` it exits when that process dies; with `api_key`
+    it requires that bearer key; `max_n` raises its limit on samples per prompt)."""
     cmd = [sys.executable, "-m", "megatron_rl.rollout.server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--random-seed", str(random_seed), "--num-threads", str(num_threads)]
     if tokenizer_path:
@@ -166,7 +168,18 @@ def engine_command(model_path: str, port: int, host: str = "127.0.0.1", tokenize
         cmd += ["--enable-deterministic-inference"]
     if parent_pid:
         cmd += ["--parent-pid", str(parent_pid)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if max_n:
+        cmd += ["--max-n", str(max_n)]
     return cmd + list(extra_args)
+
+
+def engine_max_n(n_samples_per_prompt: int) -> Optional[int]:
+    """The --max-n an engine needs for GRPO groups of this size (None: the server's default suffices)."""
+    from megatron_rl.rollout.validation import DEFAULT_MAX_N
+
+    return n_samples_per_prompt if n_samples_per_prompt > DEFAULT_MAX_N else None
 
 
 def router_command(worker_urls: Sequence[str], port: int, host: str = "127.0.0.1", policy: str = "round_robin",
@@ -185,13 +198,17 @@ def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
                    model_loader: Optional[str] = None, num_threads: int = 1, use_router: bool = False,
                    router_policy: str = "round_robin", startup_timeout_s: float = 120.0,
                    log_dir: Optional[str] = None, engine_args: Sequence[str] = (),
-                   router_args: Sequence[str] = (), deterministic: bool = False) -> RolloutCluster:
+                   router_args: Sequence[str] = (), deterministic: bool = False, api_key: Optional[str] = None,
+                   max_n: Optional[int] = None) -> RolloutCluster:
     """Start `num_engines` embedded engines (engine i seeded random_seed + i), wait for /health, optionally start the router.
 
     `model_loader` is a 'package.module:function' path handed to each server; ports are free
     loopback ports unless `base_port` > 0 (then base_port + i, router at base_port + num_engines).
     Engines exit on their own when this process dies (even by SIGKILL), so none is left orphaned.
     `deterministic` makes each engine generate requests one at a time (batch-invariant samples).
+    `api_key` is required by every engine (their /health stays open) and handed to the router, which
+    authorizes itself to the workers with it; `max_n` raises the engines' limit on sampling_params.n
+    when the trainer asks for more samples per prompt.
     """
     if num_engines < 1:
         raise ValueError("num_engines must be >= 1")
@@ -207,13 +224,17 @@ def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
         for i in range(num_engines):
             port = base_port + i if base_port > 0 else free_port(host)
             cmd = engine_command(model_path, port, host, tokenizer_path, random_seed + i, model_loader,
-                                 num_threads, engine_args, deterministic=deterministic, parent_pid=os.getpid())
+                                 num_threads, engine_args, deterministic=deterministic, parent_pid=os.getpid(),
+                                 api_key=api_key, max_n=max_n)
             cluster.engines.append(_spawn(f"engine {i}", cmd, f"http://{host}:{port}", log_dir))
         for e in cluster.engines:
             wait_healthy(e, "/health", startup_timeout_s)
         if use_router:
             port = base_port + num_engines if base_port > 0 else free_port(host)
-            cluster.router = _spawn("router", router_command(cluster.worker_urls, port, host, router_policy, router_args),
+            # the router authorizes itself to the workers with the same key
+            key_args = ["--api-key", api_key] if api_key else []
+            cluster.router = _spawn("router", router_command(cluster.worker_urls, port, host, router_policy,
+                                                             [*key_args, *router_args]),
                                     f"http://{host}:{port}", log_dir)
             wait_router(cluster.router, len(cluster.engines), startup_timeout_s)
         return cluster
@@ -257,7 +278,8 @@ def launch_from_config(cfg, model_path: str, tokenizer_path: Optional[str] = Non
                           base_port=cfg.base_port, random_seed=cfg.seed, model_loader=model_loader,
                           num_threads=num_threads, use_router=cfg.use_router, router_policy=cfg.router_policy,
                           startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir,
-                          deterministic=cfg.deterministic_inference)
+                          deterministic=cfg.deterministic_inference, api_key=cfg.api_key,
+                          max_n=engine_max_n(cfg.n_samples_per_prompt))
 
 
 @contextlib.contextmanager
