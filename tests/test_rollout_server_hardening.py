@@ -117,6 +117,17 @@ def test_bad_request_fails_alone_and_its_batch_mates_succeed(srv, bad, needle):
     assert request(srv.url, "/health")[0] == 200
 
 
+@pytest.mark.parametrize("sp", [
+    {"temperature": 1e308, "min_new_tokens": 2},  # found by the fuzz suite: inf in float32, -inf / inf = NaN
+    {"temperature": 1e-300, "top_p": 1e-300, "min_p": 1e-300},
+    {"top_k": 10**30, "sampling_seed": -(10**30), "n": 2},
+    {"max_new_tokens": 0, "min_new_tokens": 10**30},
+])
+def test_extreme_but_valid_sampling_params_succeed(srv, sp):
+    status, text = request(srv.url, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, **sp}})
+    assert status == 200, text
+
+
 def test_run_time_failure_fails_only_its_own_request(srv):
     """A request that passes validation but breaks the engine gets its own 500; its batch-mates complete."""
     engine = srv.server.engine

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 GREEDY_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 # SGLang sampling_params keys this engine implements (any value).
 SUPPORTED_SAMPLING_KEYS = (
@@ -416,7 +417,9 @@ class Engine:
             if budget[r] <= 0:
                 reasons[r] = {"type": "length", "length": params[r].max_new_tokens}
 
-        temp = torch.tensor([max(p.temperature, GREEDY_TEMPERATURE) for p in params])
+        # capped at float32's largest value: beyond it the tensor would hold inf, and a masked (-inf) logit
+        # divided by inf is NaN; the capped value gives the same (uniform) distribution
+        temp = torch.tensor([min(max(p.temperature, GREEDY_TEMPERATURE), MAX_TEMPERATURE) for p in params])
         greedy = torch.tensor([p.greedy for p in params])
         # a top_k beyond the vocabulary keeps every token (and may not fit an int64)
         top_k = torch.tensor([min(p.top_k, self.vocab_size) for p in params])
