@@ -262,14 +262,18 @@ def test_serve_usage_names_the_cli_and_tokenizer_is_found_in_the_model_dir(root,
 
 @pytest.mark.slow
 def test_served_engine_with_key_and_tokenizer_in_model_dir(tmp_path):
-    """`serve --model-path DIR --api-key K` as the launcher starts it: text requests use DIR's tokenizer."""
+    """`serve --model-path DIR --api-key K` as the launcher starts it (behind the real sglang-router, which gets
+    the key too): text requests use DIR's tokenizer; without the key engine and router answer 401."""
     model_dir = tmp_path / "model"
     make_tiny_model(str(model_dir), seed=0)
     make_tiny_tokenizer(str(model_dir))  # tokenizer files beside config.json, as in an HF export
-    with launch_engines(str(model_dir), 1, api_key=KEY, log_dir=str(tmp_path / "logs")) as cluster:
+    with launch_engines(str(model_dir), 1, api_key=KEY, use_router=True, log_dir=str(tmp_path / "logs")) as cluster:
         url = cluster.worker_urls[0]
         auth = {"Authorization": f"Bearer {KEY}"}
         status, text = request(url, "/generate", {"text": "w5 w6", "sampling_params": {"max_new_tokens": 2}}, headers=auth)
         assert status == 200 and isinstance(json.loads(text)["text"], str), text
         assert request(url, "/generate", GOOD)[0] == 401
         assert json.loads(request(url, "/server_info", headers=auth)[1])["skip_tokenizer_init"] is False
+        router = cluster.generate_url
+        assert len(RolloutClient(router, api_key=KEY, request_timeout_s=60).generate_sync([5, 6], {"max_new_tokens": 2})) == 1
+        assert request(router, "/generate", GOOD)[0] == 401

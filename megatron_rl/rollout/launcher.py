@@ -236,15 +236,16 @@ def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
             cluster.router = _spawn("router", router_command(cluster.worker_urls, port, host, router_policy,
                                                              [*key_args, *router_args]),
                                     f"http://{host}:{port}", log_dir)
-            wait_router(cluster.router, len(cluster.engines), startup_timeout_s)
+            wait_router(cluster.router, len(cluster.engines), startup_timeout_s, api_key=api_key)
         return cluster
     except BaseException:
         cluster.stop()
         raise
 
 
-def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float) -> None:
-    """Wait until the router lists `num_workers` workers and answers /health."""
+def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float, api_key: Optional[str] = None) -> None:
+    """Wait until the router lists `num_workers` workers and answers /health (a router given --api-key
+    guards its own /workers with the key too)."""
     import json
 
     deadline = time.monotonic() + timeout_s
@@ -254,7 +255,8 @@ def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float) -> N
         if router.proc.poll() is not None:
             break
         try:
-            with urllib.request.urlopen(router.url + "/workers", timeout=2.0) as resp:
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            with urllib.request.urlopen(urllib.request.Request(router.url + "/workers", headers=headers), timeout=2.0) as resp:
                 data = json.loads(resp.read() or b"{}")
             workers = data.get("workers", data) if isinstance(data, dict) else data
             healthy = [w for w in workers if not isinstance(w, dict) or w.get("is_healthy", w.get("healthy", True))]
