@@ -4,7 +4,6 @@ bodies are bounded in size and time; --api-key guards every endpoint but /health
 tokenizer in the model directory."""
 import asyncio
 import json
-import os
 import socket
 import threading
 import time
@@ -277,3 +276,12 @@ def test_served_engine_with_key_and_tokenizer_in_model_dir(tmp_path):
         router = cluster.generate_url
         assert len(RolloutClient(router, api_key=KEY, request_timeout_s=60).generate_sync([5, 6], {"max_new_tokens": 2})) == 1
         assert request(router, "/generate", GOOD)[0] == 401
+
+
+def test_rollout_api_key_config_reaches_the_client():
+    from megatron_rl.config import ConfigError, load_config
+
+    cfg = load_config("examples/configs/tiny_base.yaml", [f"rollout.api_key={KEY}"])
+    assert RolloutClient.from_config(cfg.rollout, ["http://127.0.0.1:1"])._headers == {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(ConfigError, match="rollout.api_key"):
+        load_config("examples/configs/tiny_base.yaml", ["rollout.api_key=two words"])

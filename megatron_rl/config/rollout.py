@@ -73,4 +73,6 @@ class RolloutConfig(StrictConfig):
             raise ValueError("rollout.n_samples_per_prompt must be >= 1")
         if self.num_engines < 1:
             raise ValueError("rollout.num_engines must be >= 1")
+        if self.api_key is not None and (not self.api_key or any(c.isspace() or not c.isprintable() for c in self.api_key)):
+            raise ValueError("rollout.api_key must be a non-empty string without whitespace (it is sent in an HTTP header)")
         return self
