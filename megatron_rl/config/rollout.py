@@ -102,6 +102,9 @@ class RolloutConfig(StrictConfig):
             if len(self.engine_gpus) != need or len(set(self.engine_gpus)) != need or min(self.engine_gpus) < 0:
                 raise ValueError(f"rollout.engine_gpus must list {need} distinct GPU indices "
                                  "(num_engines * engine_tp_size * engine_dp_size)")
+        if self.use_router and self.router_policy == "power_of_two" and self.engine != "external" and self.num_engines < 2:
+            raise ValueError("rollout.router_policy=power_of_two needs rollout.num_engines >= 2 (sglang-router refuses "
+                             "to start it with one worker)")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("rollout.mem_fraction_static must be in (0, 1)")
         if self.base_port < 0 or self.base_port + self.num_engines > 65535:

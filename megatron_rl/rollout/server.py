@@ -151,7 +151,7 @@ class RolloutServer:
             self.engine = await loop.run_in_executor(self._executor, lambda: Engine(
                 self.model_path, self.tokenizer_path, model_loader=self.model_loader, random_seed=self.random_seed,
                 kv_cache_dtype=self.kv_cache_dtype))
-            log.info("model loaded from %s", self.model_path)
+            log.info("model loaded from %s (kv cache %s)", self.model_path, self.kv_cache_dtype)
         except Exception as exc:  # the process stays up to report it; the launcher sees stderr
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("failed to load model from %s: %s", self.model_path, self.load_error)
