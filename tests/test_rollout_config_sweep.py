@@ -10,7 +10,7 @@ import torch
 
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.config.rollout import RolloutConfig
-from rl_runs import CONFIG, cli_env, read_rows, tiny_overrides, train, warm_start
+from rl_runs import CONFIG, cli_env, tiny_overrides, train, warm_start
 
 needs_router = pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="needs sglang-router")
 
