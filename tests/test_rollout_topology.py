@@ -173,6 +173,12 @@ def test_router_is_recognised_and_never_a_weight_target(tmp_path):
             assert resolve_external([router.url]) == ([router.url], [engine.url])
             with pytest.raises(ConfigError, match=r"rollout.weight_update_urls: .* is an sglang-router.*" + engine.url):
                 resolve_external([router.url], [router.url])
+            # a transport pointed at the router by hand is refused with the field to set, not a bare 404
+            from megatron_rl.rollout.sync import DiskWeightSync
+
+            sync = DiskWeightSync(str(tmp_path / "sync"), str(tmp_path / "m"), [router.url])
+            with pytest.raises(RolloutServerError, match="is an sglang-router.*set rollout.weight_update_urls"):
+                sync.push({"lm_head.weight": torch.zeros(1)}, 1)
         finally:
             router.stop()
 

@@ -366,12 +366,27 @@ class RolloutClient:
     async def _all_success(self, path: str, body: dict, timeout_s: Optional[float] = None) -> list[dict]:
         async with self._session() as session:
             answers = await asyncio.gather(*(self._request(session, u, "POST", path, body, timeout_s=timeout_s)
-                                             for u in self.urls))
+                                             for u in self.urls), return_exceptions=True)
+            for url, ans in zip(self.urls, answers):
+                if isinstance(ans, RolloutServerError) and "HTTP 404" in str(ans) and await self._is_router(session, url):
+                    raise RolloutServerError(f"POST {url}{path}: {url} is an sglang-router, which does not forward weight "
+                                             "updates; set rollout.weight_update_urls to its engines")
+                if isinstance(ans, BaseException):
+                    raise ans
         for url, ans in zip(self.urls, answers):
             if not isinstance(ans, dict) or not ans.get("success"):
                 msg = ans.get("message") if isinstance(ans, dict) else ans
                 raise RolloutServerError(f"POST {url}{path} did not succeed: {msg}")
         return list(answers)
+
+    async def _is_router(self, session: aiohttp.ClientSession, url: str) -> bool:
+        """Whether `url` answers sglang-router's GET /workers (engines answer 404 there)."""
+        try:
+            data = await self._request(session, url, "GET", "/workers", timeout_s=min(5.0, self.request_timeout_s),
+                                       max_retries=0)
+        except RolloutServerError:
+            return False
+        return isinstance(data, dict) and isinstance(data.get("workers"), list)
 
     async def flush_cache(self) -> None:
         """POST /flush_cache on every server (retrying while a server reports it is busy)."""

@@ -113,18 +113,6 @@ def resolve_external(urls: Sequence[str], weight_update_urls: Sequence[str] = ()
     return gen, list(dict.fromkeys(targets))
 
 
-def check_weight_targets(urls: Sequence[str], timeout_s: float = 5.0) -> None:
-    """Refuse to send weight updates to a router: ConfigError naming rollout.weight_update_urls."""
-    for u in urls:
-        try:
-            workers = router_workers(u, timeout_s)
-        except (urllib.error.URLError, OSError):
-            continue  # unreachable targets are the pool's business
-        if workers is not None:
-            raise ConfigError(f"weight update addressed to {u}, an sglang-router (it does not forward weight updates); "
-                              f"set rollout.weight_update_urls to its engines ({workers})")
-
-
 class EnginePool:
     """The engines that receive weights; before each sync, dead ones are restarted (ours) or dropped (external).
 
