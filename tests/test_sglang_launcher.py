@@ -97,15 +97,14 @@ def test_cuda_visible_devices_maps_through_an_outer_list(monkeypatch):
 def test_config_rejects_inconsistent_topology():
     from pydantic import ValidationError
 
+    RolloutConfig(engine="sglang", num_engines=2, engine_tp_size=2, engine_gpus=[3, 2, 1, 0])
     for kwargs, field in [({"engine": "embedded", "engine_tp_size": 2}, "engine_tp_size"),
-                          ({"engine": "sglang", "engine_gpus": [0]}, "engine_gpus"),  # needs 1 x 1 x 1 = 1: ok below
+                          ({"engine": "embedded", "engine_gpus": [0]}, "engine_gpus"),
                           ({"engine": "sglang", "num_engines": 2, "engine_gpus": [0, 0]}, "engine_gpus"),
+                          ({"engine": "sglang", "num_engines": 2, "engine_gpus": [0]}, "engine_gpus"),
                           ({"engine": "embedded", "urls": ["http://x:1"]}, "rollout.urls"),
                           ({"engine": "external", "urls": ["http://x:1"], "weight_update_urls": ["x:2"]}, "weight_update_urls"),
                           ({"engine": "sglang", "mem_fraction_static": 1.5}, "mem_fraction_static")]:
-        if kwargs.get("engine_gpus") == [0]:
-            RolloutConfig(**kwargs)
-            continue
         with pytest.raises(ValidationError, match=field):
             RolloutConfig(**kwargs)
 

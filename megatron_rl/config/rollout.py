@@ -77,7 +77,7 @@ class RolloutConfig(StrictConfig):
     seed: int = 0
     """Base random seed of the engines (sampling_seed per request derives from it)."""
     deterministic_inference: bool = True
-    """Batch-invariant rollouts: embedded engines generate each prompt's request alone, so samples depend only on (weights, prompt, seed), never on co-batched requests (needed for exact resume and DP/TP-invariant runs); external SGLang servers need --enable-deterministic-inference."""
+    """Batch-invariant rollouts: embedded engines generate each prompt's request alone, so samples depend only on (weights, prompt, seed), never on co-batched requests (needed for exact resume and DP/TP-invariant runs); SGLang engines we launch get --enable-deterministic-inference (external ones must be started with it)."""
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
