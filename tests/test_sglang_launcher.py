@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import typing
 from pathlib import Path
@@ -173,7 +172,6 @@ def test_fake_sglang_start_generate_teardown(tmp_path, fake_sglang_env):
     assert not any(_alive(p) for p in pids)
 
 
-@pytest.mark.slow
 def test_fake_sglang_failure_to_start_reports_log_tail(tmp_path, fake_sglang_env):
     from megatron_rl.rollout.testing import make_tiny_model
 
@@ -187,41 +185,9 @@ def test_fake_sglang_failure_to_start_reports_log_tail(tmp_path, fake_sglang_env
 
 
 @pytest.mark.slow
-def test_engines_die_with_their_launcher(tmp_path, fake_sglang_env):
-    """SIGKILL of the launching process takes the SGLang engine (and its process group) with it."""
-    from megatron_rl.rollout.testing import make_tiny_model
-
-    make_tiny_model(str(tmp_path / "hf"), seed=5)
-    script = tmp_path / "launch.py"
-    script.write_text(textwrap.dedent(f"""
-        import sys, time
-        from megatron_rl.config.precision import PrecisionConfig
-        from megatron_rl.config.rollout import RolloutConfig
-        from megatron_rl.rollout.sglang_launcher import launch_sglang_engines
-        cfg = RolloutConfig(engine="sglang", sglang_python=sys.executable, engine_gpus=[0], startup_timeout_s=120)
-        c = launch_sglang_engines(cfg, PrecisionConfig(), {str(tmp_path / 'hf')!r}, log_dir={str(tmp_path / 'logs')!r},
-                                  visible_gpus=1)
-        print(c.engines[0].proc.pid, flush=True)
-        time.sleep(600)
-    """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    try:
-        engine_pid = int(proc.stdout.readline())
-        assert _alive(engine_pid)
-        proc.kill()
-        proc.wait(10)
-        deadline = time.monotonic() + 20
-        while _alive(engine_pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(engine_pid)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-@pytest.mark.slow
-def test_engines_cli_prints_urls_and_stops_on_sigterm(tmp_path, fake_sglang_env):
-    """`megatron-rl engines CONFIG`: the interface the Slurm script uses."""
+def test_engines_cli_prints_urls_and_its_engines_die_with_it(tmp_path, fake_sglang_env):
+    """`megatron-rl engines CONFIG` (the interface the Slurm script uses); SIGKILL of it takes the SGLang engine along."""
+    from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.testing import make_tiny_model
 
     make_tiny_model(str(tmp_path / "hf"), seed=5)
@@ -239,11 +205,14 @@ def test_engines_cli_prints_urls_and_stops_on_sigterm(tmp_path, fake_sglang_env)
         engine_url = lines[0].split()[1]
         assert lines[0].startswith("engine http://127.0.0.1:")
         assert json.loads(urls_file.read_text()) == {"generate": [engine_url], "workers": [engine_url]}
-        from megatron_rl.rollout.client import RolloutClient
-
         assert RolloutClient(engine_url).health_sync() == {engine_url: True}
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        log = next((tmp_path / "run" / "logs").glob("engines_*/engine_0.log")).read_text()
+        assert "fake sglang: CUDA_VISIBLE_DEVICES=0 " in log
+        proc.kill()  # no cleanup code runs: PR_SET_PDEATHSIG must take the engine down
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        while RolloutClient(engine_url, max_retries=0).health_sync()[engine_url] and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert RolloutClient(engine_url, max_retries=0).health_sync() == {engine_url: False}
     finally:
         if proc.poll() is None:

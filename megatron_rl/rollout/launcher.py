@@ -260,7 +260,9 @@ def router_command(worker_urls: Sequence[str], port: int, host: str = "127.0.0.1
             # a restarted one is back after 1 good check. Requests that hit it meanwhile are retried
             # on another worker by the router itself (--retry-max-retries, default 5).
             "--health-check-interval-secs", "5", "--health-failure-threshold", "2",
-            "--health-success-threshold", "1", "--log-level", "warn", *extra_args]
+            "--health-success-threshold", "1", "--log-level", "warn",
+            # its metrics exporter defaults to port 29000: two routers on one machine would collide
+            "--prometheus-host", host, "--prometheus-port", str(free_port(host)), *extra_args]
 
 
 @dataclass
