@@ -2,7 +2,6 @@
 health / failure / teardown code paths through a fake `sglang.launch_server` serving the embedded engine."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
