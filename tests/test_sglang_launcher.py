@@ -102,7 +102,9 @@ def test_config_rejects_inconsistent_topology():
                           ({"engine": "sglang", "num_engines": 2, "engine_gpus": [0]}, "engine_gpus"),
                           ({"engine": "embedded", "urls": ["http://x:1"]}, "rollout.urls"),
                           ({"engine": "external", "urls": ["http://x:1"], "weight_update_urls": ["x:2"]}, "weight_update_urls"),
-                          ({"engine": "sglang", "mem_fraction_static": 1.5}, "mem_fraction_static")]:
+                          ({"engine": "sglang", "mem_fraction_static": 1.5}, "mem_fraction_static"),
+                          ({"engine": "embedded", "mem_fraction_static": 0.5}, "mem_fraction_static"),
+                          ({"engine": "embedded", "sglang_args": ["--x"]}, "sglang_args")]:
         with pytest.raises(ValidationError, match=field):
             RolloutConfig(**kwargs)
 

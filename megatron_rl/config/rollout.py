@@ -95,6 +95,8 @@ class RolloutConfig(StrictConfig):
                 raise ValueError(f"rollout.{name} must be >= 1")
         if self.engine == "embedded" and (self.engine_tp_size, self.engine_dp_size) != (1, 1):
             raise ValueError("rollout.engine_tp_size / engine_dp_size apply to engine=sglang (embedded engines are single CPU processes)")
+        if self.engine == "embedded" and (self.mem_fraction_static is not None or self.sglang_args):
+            raise ValueError("rollout.mem_fraction_static / sglang_args apply to SGLang engines, not engine=embedded")
         if self.engine_gpus:
             if self.engine != "sglang":
                 raise ValueError("rollout.engine_gpus applies to engine=sglang")
