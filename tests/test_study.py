@@ -165,21 +165,23 @@ def test_changed_spec_never_mixes_with_existing_runs(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_study_runs_resumes_and_skips(tmp_path):
-    """2 arms x 1 seed x 2 steps from one SFT; a run killed after step 0 resumes; finished runs are skipped."""
+    """2 arms x 1 seed x 2 steps from one SFT (both FP4 recipes end to end); a run killed after step 0 resumes;
+    finished runs are skipped."""
     spec = _spec(tmp_path, steps=2, seeds=[1], checkpoint_every=1,
                  overrides={"sft.steps": 200, "data.num_train_prompts": 200, "data.num_eval_prompts": 8,
                             "train.eval_max_prompts": 8, "train.prompts_per_step": 4, "rollout.n_samples_per_prompt": 4,
                             "train.micro_batch_size": 4},
-                 arms=[{"name": "hp"}, {"name": "nvfp4_calib", "overrides": {
-                     "precision.recipe": "nvfp4", "algo.calibration.enabled": True, "algo.calibration.calibrate_every": 1}}])
+                 arms=[{"name": "mxfp4", "overrides": {"precision.recipe": "mxfp4"}},
+                       {"name": "nvfp4_calib", "overrides": {
+                           "precision.recipe": "nvfp4", "algo.calibration.enabled": True, "algo.calibration.calibrate_every": 1}}])
     cmd = [sys.executable, str(REPO / "tools" / "experiment.py"), str(spec)]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     study = load_study(spec)
     text = (study.out / "RESULTS.md").read_text()
-    assert "2 of 2 runs finished" in text and "| hp | nvfp4_calib |" in text
+    assert "2 of 2 runs finished" in text and "| mxfp4 | nvfp4_calib |" in text
     assert (study.out / "curves.png").exists()
-    rows = {arm: results.read_rows(study.run_dir(arm, 1)) for arm in ("hp", "nvfp4_calib")}
+    rows = {arm: results.read_rows(study.run_dir(arm, 1)) for arm in ("mxfp4", "nvfp4_calib")}
     assert all(len(r) == 2 for r in rows.values())
     assert any(math.isfinite(r.get("fp8/log_ratio_abs_err") or math.nan) for r in rows["nvfp4_calib"])
 
@@ -192,7 +194,7 @@ def test_smoke_study_runs_resumes_and_skips(tmp_path):
     shutil.rmtree(final)
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "hp seed 1: finished, skipped" in second.stdout
+    assert "mxfp4 seed 1: finished, skipped" in second.stdout
     assert "nvfp4_calib seed 1: resuming at step 1" in second.stdout
     assert "warm start: reusing" in second.stdout
     assert (study.warm_dir / "sft.log").read_text().count("\n=== ") == 1      # one SFT for the whole study
