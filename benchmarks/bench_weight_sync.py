@@ -138,7 +138,7 @@ def rss_child(layers: int, method: str, bucket_mb: float) -> None:
     from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig
     from megatron_rl.config.precision import PrecisionConfig
     from megatron_rl.models import hf_mapping
-    from megatron_rl.phases.weights import rollout_format, rollout_payload
+    from megatron_rl.phases.weights import export_format, rollout_payload
     from megatron_rl.trainer.learner import Learner
     from megatron_rl.trainer.weight_export import StreamingExporter
 
@@ -159,7 +159,7 @@ def rss_child(layers: int, method: str, bucket_mb: float) -> None:
     sent = 0
     precision = PrecisionConfig(rollout_quantization="fp8-blockwise")
     if method == "streaming":
-        fmt = rollout_format(precision)
+        fmt = export_format(precision)
         for bucket in StreamingExporter(learner).buckets(int(bucket_mb * 1024 * 1024), fmt.convert):
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             del bucket

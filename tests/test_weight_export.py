@@ -81,7 +81,7 @@ def test_buckets_hold_exactly_the_hf_state_dict(learner):
 
 def test_fp8_format_is_bit_equal_to_whole_model_quantization(learner):
     precision = PrecisionConfig(rollout_quantization="fp8-blockwise")
-    fmt = weights.rollout_format(precision)
+    fmt = weights.export_format(precision)
     reference = quantize_state_dict(hf_mapping.to_hf(learner.gather_full_state_dict(), learner.arch))
     got = {n: t for b in StreamingExporter(learner).buckets(1 << 20, fmt.convert) for n, t in b}
     assert got.keys() == reference.keys()

@@ -1,4 +1,4 @@
-"""Weight-sync phase: Megatron shards -> HF names -> (FP8 blockwise) -> engines, streamed bucket by bucket.
+"""Weight-sync phase: Megatron shards -> HF names -> (FP8 rollout format) -> engines, streamed bucket by bucket.
 
 Every learner rank calls `sync_weights`; what each does (rollout/sync/base.py has the protocol):
 all ranks refuse non-finite weights first; the controller pauses the engines; then each pipeline
@@ -22,41 +22,27 @@ from megatron_rl.trainer.weight_export import Converter, StreamingExporter, chec
 
 
 @dataclass
-class RolloutFormat:
-    """How exported HF tensors become what the engines serve."""
+class ExportFormat:
+    """How exported HF tensors become what the engines serve (precision/rollout_formats.py names the formats)."""
 
     convert: Converter
-    """Per HF tensor: [(name, tensor)] to send (e.g. FP8 weight + weight_scale_inv)."""
+    """Per HF tensor: [(name, tensor)] to send (the float32 tensor, or FP8 weight + its scale)."""
     config_updates: dict = field(default_factory=dict)
     """config.json entries of a checkpoint in this format (quantization_config)."""
 
 
-def rollout_format(precision: PrecisionConfig) -> RolloutFormat:
-    """The format of `precision.rollout_quantization` (fp8-blockwise: 128x128 blocks, fp32 or ue8m0 scales)."""
-    if precision.rollout_quantization == "none":
-        return RolloutFormat(lambda name, t: [(name, t.float())])
-    if precision.rollout_quantization == "fp8-blockwise":
-        from megatron_rl.precision.blockwise import quantize_blockwise
-        from megatron_rl.precision.hf_fp8 import SCALE_SUFFIX, is_quantized_weight, quantization_config
+def export_format(precision: PrecisionConfig) -> ExportFormat:
+    """The rollout format of `precision.rollout_quantization`, applied one float32 tensor at a time."""
+    from megatron_rl.precision.rollout_formats import rollout_format
 
-        fmt = precision.rollout_scale_fmt
-
-        def convert(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-            if not is_quantized_weight(name):
-                return [(name, t.float())]
-            q, s = quantize_blockwise(t, (128, 128), fmt)
-            return [(name, q), (name + SCALE_SUFFIX, s)]
-
-        return RolloutFormat(convert, {"quantization_config": quantization_config((128, 128), fmt)})
-    raise NotImplementedError(
-        "precision.rollout_quantization=fp8-channel is served by SGLang's own --quantization fp8 on a BF16 "
-        "checkpoint; push unquantized weights (rollout_quantization=none) and launch engines with it"
-    )
+    fmt = rollout_format(precision)
+    # float32 first: high-precision tensors travel as the learner's exact values (bf16 converts exactly)
+    return ExportFormat(lambda name, t: list(fmt.quantize(name, t.float()).items()), fmt.config_updates())
 
 
 def rollout_payload(hf_sd: dict[str, torch.Tensor], precision: PrecisionConfig) -> tuple[dict[str, torch.Tensor], dict]:
     """A whole HF state dict in the rollout format, plus its config.json updates (small models, tests, tools)."""
-    fmt = rollout_format(precision)
+    fmt = export_format(precision)
     return {n: t for name, tensor in hf_sd.items() for n, t in fmt.convert(name, tensor)}, dict(fmt.config_updates)
 
 
@@ -83,7 +69,7 @@ def _agree(error: Optional[str], extra: Any = None) -> list:
     return [x for _, x in reports]
 
 
-def stream_to_transport(learner, transport, fmt: RolloutFormat, weight_version: Any,
+def stream_to_transport(learner, transport, fmt: ExportFormat, weight_version: Any,
                         bucket_bytes: Optional[int] = None) -> tuple[int, int]:
     """Every stage, in turn, streams its buckets into `transport` (stage senders); returns this rank's (bytes, buckets).
 
@@ -117,6 +103,19 @@ def stream_to_transport(learner, transport, fmt: RolloutFormat, weight_version: 
     return sent, count
 
 
+def _share_targets(transport) -> None:
+    """Every stage sender adopts the controller's live engines (EnginePool may have restarted or dropped some)."""
+    targets = None
+    if state.is_controller():
+        targets = transport.targets() if hasattr(transport, "targets") else (list(getattr(transport, "urls", [])), 0)
+    if state.world_size() > 1:
+        box = [targets]
+        dist.broadcast_object_list(box, src=0)
+        targets = box[0]
+    if transport is not None and hasattr(transport, "refresh_targets"):
+        transport.refresh_targets(*targets)
+
+
 def sync_weights(learner, transport, precision: PrecisionConfig, weight_version: int) -> dict[str, float]:
     """Push the learner's current weights to every engine as `weight_version`; metrics on the controller.
 
@@ -125,7 +124,7 @@ def sync_weights(learner, transport, precision: PrecisionConfig, weight_version:
     """
     start = time.perf_counter()
     check_finite(learner)
-    fmt = rollout_format(precision)
+    fmt = export_format(precision)
     controller = state.is_controller()
     error: Optional[str] = None
     if controller:
@@ -136,6 +135,7 @@ def sync_weights(learner, transport, precision: PrecisionConfig, weight_version:
     done = False
     try:
         _agree(error)
+        _share_targets(transport)
         sent, count = stream_to_transport(learner, transport, fmt, weight_version)
         if controller:
             try:
@@ -173,7 +173,7 @@ def export_rollout_checkpoint(learner, precision: PrecisionConfig, out_dir: str,
 
     from megatron_rl.rollout.sync.disk import finalize_checkpoint, write_shard
 
-    fmt = rollout_format(precision)
+    fmt = export_format(precision)
     staging = str(out_dir).rstrip("/") + ".tmp"
     error = None
     if state.is_controller():

@@ -9,7 +9,8 @@ weights untouched, and a batch never runs on half-copied weights.
 Semantics follow SGLang's model runner:
 - names are HF checkpoint names; a tied `lm_head.weight` is skipped on load (SGLang's
   `load_weights` skips it) and read back as the embedding;
-- FP8 engines (W8A8 emulation) serve `X.weight` as float8_e4m3fn plus `X.weight_scale_inv`;
+- FP8 engines (W8A8 emulation) serve `X.weight` as float8_e4m3fn plus `X.weight_scale_inv` (blockwise) or
+  `X.weight_scale` (per-channel w8a8_fp8);
 - a high-precision tensor may arrive in another high-precision dtype and is cast on copy (SGLang's
   weight loaders `copy_` into the parameter); any other dtype change is refused;
 - `/update_weights_from_distributed` receives every tensor of a well-formed request even when the
@@ -70,13 +71,21 @@ def _tied(model: torch.nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
 
+def scale_suffix(module: W8A8Linear) -> str:
+    """Checkpoint suffix of a W8A8 module's scales: `_scale` for per-channel (w8a8_fp8) rows, `_scale_inv` for blocks."""
+    from megatron_rl.precision.hf_fp8 import SCALE_SUFFIX
+    from megatron_rl.precision.rollout_formats import CHANNEL_SCALE_SUFFIX
+
+    return CHANNEL_SCALE_SUFFIX if module.block[0] == 1 else SCALE_SUFFIX
+
+
 def served_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor a checkpoint (and a weight update) can set, by HF checkpoint name."""
     out: dict[str, torch.Tensor] = {}
     for mod_name, module in model.named_modules():
         if isinstance(module, W8A8Linear):
             out[f"{mod_name}.weight"] = module.weight_q
-            out[f"{mod_name}.weight_scale_inv"] = module.weight_scale_inv
+            out[f"{mod_name}.weight{scale_suffix(module)}"] = module.weight_scale_inv
     seen = {id(t) for t in out.values()}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:
@@ -137,7 +146,7 @@ class ServedWeights:
                 key = self.canonical(name)
                 self.tensors[key].copy_(tensor)
                 written += 1
-                if key.endswith((".weight", ".weight_scale_inv")):
+                if key.endswith((".weight", ".weight_scale_inv", ".weight_scale")):
                     touched.add(key.rsplit(".", 1)[0])
             for mod in touched & self._w8a8.keys():
                 m = self._w8a8[mod]

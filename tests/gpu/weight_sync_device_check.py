@@ -48,10 +48,10 @@ def guarded(fn):
 
 def fp8_quantization_matches_cpu() -> None:
     from megatron_rl.config.precision import PrecisionConfig
-    from megatron_rl.phases.weights import rollout_format
+    from megatron_rl.phases.weights import export_format
 
     for scale_fmt in ("fp32", "ue8m0"):
-        convert = rollout_format(PrecisionConfig(rollout_quantization="fp8-blockwise", rollout_scale_fmt=scale_fmt)).convert
+        convert = export_format(PrecisionConfig(rollout_quantization="fp8-blockwise", rollout_scale_fmt=scale_fmt)).convert
         g = torch.Generator().manual_seed(0)
         w = torch.randn(1000, 700, generator=g) * torch.logspace(-4, 2, 1000).unsqueeze(1)
         cpu = convert("model.layers.0.mlp.up_proj.weight", w)

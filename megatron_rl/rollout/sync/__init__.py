@@ -21,10 +21,10 @@ def get_transport(name: str) -> type:
 
 
 def build_transport(cfg, receiver_urls: Sequence[str], hf_config_dir: str, default_sync_dir: str,
-                    client=None) -> WeightTransport:
+                    client=None, api_key=None) -> WeightTransport:
     """The transport a `WeightSyncConfig` describes, sending to `receiver_urls` (engines, never a router)."""
     cls = get_transport(cfg.transport)
-    common = dict(bucket_mb=cfg.bucket_mb, pause_mode=cfg.pause_mode, client=client)
+    common = dict(bucket_mb=cfg.bucket_mb, pause_mode=cfg.pause_mode, client=client, api_key=api_key)
     if cls is DiskWeightSync:
         return DiskWeightSync(cfg.sync_dir or default_sync_dir, hf_config_dir, receiver_urls, keep_last=cfg.keep_last,
                               request_timeout_s=cfg.timeout_s, **common)

@@ -32,8 +32,8 @@ class WeightTransport:
     name = ""
 
     def __init__(self, receiver_urls: Sequence[str], bucket_mb: float = 512.0, timeout_s: float = 300.0,
-                 pause_mode: str = "abort", client: Optional[RolloutClient] = None) -> None:
-        """`receiver_urls` are the engines themselves (a router does not forward weight updates)."""
+                 pause_mode: str = "abort", client: Optional[RolloutClient] = None, api_key: Optional[str] = None) -> None:
+        """`receiver_urls` are the engines themselves (a router does not forward weight updates); `api_key` their bearer key."""
         if not receiver_urls:
             raise ValueError("receiver_urls must list at least one engine URL")
         if not bucket_mb > 0:
@@ -46,8 +46,26 @@ class WeightTransport:
         self.bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
         self.timeout_s = float(timeout_s)
         self.pause_mode = pause_mode
-        self.client = client or RolloutClient(self.urls, request_timeout_s=self.timeout_s, max_retries=0)
+        self.api_key = api_key if api_key is not None else getattr(client, "api_key", None)
+        self.client = client or self.engine_client(self.urls)
         self._engine_info: Optional[list[dict]] = None
+        self._targets_epoch = 0
+
+    def engine_client(self, urls: Sequence[str] | str) -> RolloutClient:
+        """A client of `urls` for weight updates: no retries (they are not idempotent), the update timeout, the key."""
+        return RolloutClient(urls, request_timeout_s=self.timeout_s, max_retries=0, api_key=self.api_key)
+
+    def set_worker_urls(self, urls: Sequence[str]) -> None:
+        """Send to `urls` from now on (the live engines; topology.EnginePool decides)."""
+        self.urls = [u.rstrip("/") for u in urls]
+        self.client = self.engine_client(self.urls)
+        self._engine_info = None
+
+    def refresh_targets(self, urls: Sequence[str], epoch: int) -> None:
+        """Adopt the controller's live engines; `epoch` changes when one was restarted (it lost its groups)."""
+        if [u.rstrip("/") for u in urls] != self.urls or epoch != self._targets_epoch:
+            self.set_worker_urls(urls)
+        self._targets_epoch = epoch
 
     # ------------------------------------------------------------------ controller
     def begin(self, weight_version: Any) -> None:

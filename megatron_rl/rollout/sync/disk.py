@@ -125,9 +125,10 @@ class DiskWeightSync(WeightTransport):
 
     def __init__(self, sync_dir: str, hf_config_dir: str, worker_urls: Sequence[str], keep_last: int = 2,
                  client: Optional[RolloutClient] = None, load_format: Optional[str] = None,
-                 request_timeout_s: float = 600.0, bucket_mb: float = 512.0, pause_mode: str = "abort"):
+                 request_timeout_s: float = 600.0, bucket_mb: float = 512.0, pause_mode: str = "abort",
+                 api_key: Optional[str] = None):
         """`worker_urls` are the engines themselves (a router does not forward weight updates)."""
-        super().__init__(worker_urls, bucket_mb, request_timeout_s, pause_mode, client)
+        super().__init__(worker_urls, bucket_mb, request_timeout_s, pause_mode, client, api_key)
         if keep_last < 1:
             raise ValueError("keep_last must be >= 1")
         if not os.path.isfile(os.path.join(hf_config_dir, "config.json")):

@@ -46,9 +46,9 @@ class DistributedWeightSync(WeightTransport):
     def __init__(self, receiver_urls: Sequence[str], bucket_mb: float = 512.0, timeout_s: float = 300.0,
                  master_address: Optional[str] = None, master_port: int = 0,
                  group_name: str = weight_group.DEFAULT_GROUP_NAME, pause_mode: str = "abort",
-                 client: Optional[RolloutClient] = None) -> None:
+                 client: Optional[RolloutClient] = None, api_key: Optional[str] = None) -> None:
         """`receiver_urls` are the engines (never a router)."""
-        super().__init__(receiver_urls, bucket_mb, timeout_s, pause_mode, client)
+        super().__init__(receiver_urls, bucket_mb, timeout_s, pause_mode, client, api_key)
         self.master_address = master_address or default_master_address(self.urls)
         self.master_port = master_port
         self.base_group_name = group_name
@@ -95,7 +95,7 @@ class DistributedWeightSync(WeightTransport):
         import asyncio
 
         async def all_engines() -> None:
-            await asyncio.gather(*(RolloutClient(url, request_timeout_s=self.timeout_s, max_retries=0).call_all(
+            await asyncio.gather(*(self.engine_client(url).call_all(
                 "/init_weights_update_group",
                 {"master_address": self.master_address, "master_port": port, "rank_offset": offset,
                  "world_size": world_size, "group_name": name, "backend": backend}, self.timeout_s)
@@ -126,6 +126,21 @@ class DistributedWeightSync(WeightTransport):
                                      f"{str(exc)[:300]}" + (f"; engine said: {detail}" if detail else "")) from None
         pending.result()
 
+    def set_worker_urls(self, urls: Sequence[str]) -> None:
+        """New targets: leave the current group (its members changed), join a new one at the next bucket."""
+        self._leave()
+        super().set_worker_urls(urls)
+
+    def _leave(self) -> None:
+        """Live engines leave the group, then this rank destroys it."""
+        if self.group is not None:
+            try:
+                run_sync(self.client.call_all("/destroy_weights_update_group", {"group_name": self.group_name},
+                                              self.timeout_s))
+            except RolloutServerError:
+                pass  # an engine that is gone left with it
+            self._drop_group()
+
     def _drop_group(self) -> None:
         try:
             weight_group.destroy_weight_update_group(self.group)
@@ -135,13 +150,7 @@ class DistributedWeightSync(WeightTransport):
 
     def close(self) -> None:
         """Engines leave the group, then this rank destroys it."""
-        if self.group is not None:
-            try:
-                run_sync(self.client.call_all("/destroy_weights_update_group", {"group_name": self.group_name},
-                                              self.timeout_s))
-            except RolloutServerError:
-                pass  # engines already gone
-            self._drop_group()
+        self._leave()
         self._http.shutdown(wait=False)
 
 

@@ -42,9 +42,9 @@ class TensorWeightSync(WeightTransport):
     name = "tensor"
 
     def __init__(self, receiver_urls: Sequence[str], bucket_mb: float = 512.0, timeout_s: float = 300.0,
-                 pause_mode: str = "abort", client: Optional[RolloutClient] = None) -> None:
+                 pause_mode: str = "abort", client: Optional[RolloutClient] = None, api_key: Optional[str] = None) -> None:
         """`receiver_urls` are engines on this host."""
-        super().__init__(receiver_urls, bucket_mb, timeout_s, pause_mode, client)
+        super().__init__(receiver_urls, bucket_mb, timeout_s, pause_mode, client, api_key)
 
     def send_bucket(self, bucket: Bucket, final: bool) -> None:
         """POST the bucket's handles to every engine (one entry per engine TP rank) and wait for all of them."""
@@ -58,7 +58,7 @@ class TensorWeightSync(WeightTransport):
 
         async def all_engines() -> None:
             await asyncio.gather(*(
-                RolloutClient(url, request_timeout_s=self.timeout_s, max_retries=0).call_all(
+                self.engine_client(url).call_all(
                     "/update_weights_from_tensor", {**base, "serialized_named_tensors": [blob] * tp}, self.timeout_s)
                 for url, tp in zip(self.urls, self.engine_tp_sizes())))
 
