@@ -2,9 +2,10 @@
 
 Per bucket, the stage sender pickles `[(name, tensor)]` the way SGLang's MultiprocessingSerializer
 does (rollout/sync/serialization.py): CUDA tensors become CUDA-IPC handles (no copy), CPU tensors
-are copied once into shared memory and travel as shared-memory handles. The request carries one
+are copied once into a shared-memory buffer and travel as handles to it. The request carries one
 entry per engine TP rank (`serialized_named_tensors`), each TP rank maps the same tensors; the
-engine copies them into its weights before it answers, after which the sender drops its handles.
+engine copies them into its weights before it answers, so one shared-memory buffer, reused bucket
+after bucket, carries a whole sync.
 Only the model's last bucket carries `weight_version` (and flush_cache).
 
 Colocated engines free their memory while the learner trains and take it back before an update:
@@ -24,16 +25,34 @@ from megatron_rl.rollout.sync.base import Bucket, WeightTransport
 from megatron_rl.rollout.sync.serialization import serialize_named_tensors
 
 
-def shareable(bucket: Bucket) -> Bucket:
-    """CUDA tensors as they are (IPC shares their memory); CPU tensors copied into shared memory."""
-    out = []
-    for name, t in bucket:
-        if t.device.type == "cpu":
-            shm = torch.empty(t.shape, dtype=t.dtype).share_memory_()
-            shm.copy_(t)
-            t = shm
-        out.append((name, t))
-    return out
+class SharedArena:
+    """One shared-memory buffer reused for every CPU bucket (grown when a bucket needs more).
+
+    Creating and first touching a shared-memory segment costs more than the copy itself, and the
+    sender waits for every engine to answer before the next bucket overwrites the buffer, so one
+    segment serves the whole sync; the engine maps it once per request.
+    """
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self.buffer: Optional[torch.Tensor] = None
+
+    def place(self, bucket: Bucket) -> Bucket:
+        """CUDA tensors as they are (IPC shares their memory); CPU tensors copied into views of the shared buffer."""
+        sizes = [-(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN if t.device.type == "cpu" else 0
+                 for _, t in bucket]
+        if sum(sizes) and (self.buffer is None or self.buffer.numel() < sum(sizes)):
+            self.buffer = None
+            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8).share_memory_()
+        out, offset = [], 0
+        for (name, t), size in zip(bucket, sizes):
+            if size:
+                view = self.buffer[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                view.copy_(t)
+                t, offset = view, offset + size
+            out.append((name, t))
+        return out
 
 
 class TensorWeightSync(WeightTransport):
@@ -45,12 +64,13 @@ class TensorWeightSync(WeightTransport):
                  pause_mode: str = "abort", client: Optional[RolloutClient] = None, api_key: Optional[str] = None) -> None:
         """`receiver_urls` are engines on this host."""
         super().__init__(receiver_urls, bucket_mb, timeout_s, pause_mode, client, api_key)
+        self.arena = SharedArena()
 
     def send_bucket(self, bucket: Bucket, final: bool) -> None:
         """POST the bucket's handles to every engine (one entry per engine TP rank) and wait for all of them."""
         if self.any_cpu_engine():  # a CPU engine cannot open CUDA-IPC handles
             bucket = [(n, t.cpu()) for n, t in bucket]
-        tensors = shareable(bucket)
+        tensors = self.arena.place(bucket)
         blob = serialize_named_tensors(tensors)
         base = {"load_format": None, "flush_cache": final, "abort_all_requests": False}
         if final:
@@ -63,7 +83,10 @@ class TensorWeightSync(WeightTransport):
                 for url, tp in zip(self.urls, self.engine_tp_sizes())))
 
         run_sync(all_engines())
-        del tensors  # every engine has copied them: the shared memory can go
+
+    def close(self) -> None:
+        """Drop the shared-memory buffer."""
+        self.arena.buffer = None
 
     def release_memory(self, tags: Optional[list[str]] = None) -> None:
         """POST /release_memory_occupation {tags} to every engine (None: weights and KV cache)."""
