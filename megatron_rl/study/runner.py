@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
+from megatron_rl.config.run import config_record
 from megatron_rl.study import results
 from megatron_rl.study.spec import Study, StudyError, as_overrides
 
@@ -87,7 +88,7 @@ WARM_START_RECORD = "warm_start_config.yaml"
 def _check_warm_start_config(study: Study, cfg) -> None:
     """Record the warm start's config the first time; StudyError when a later spec implies another one."""
     record = study.warm_dir / WARM_START_RECORD
-    now = yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    now = yaml.safe_load(yaml.safe_dump(config_record(cfg), sort_keys=False))
     if record.exists():
         diff = _diff(yaml.safe_load(record.read_text()), now)
         if diff:
@@ -105,7 +106,7 @@ def check_existing_runs(study: Study, warm: list[str]) -> None:
         recorded = study.run_dir(arm, seed) / "config.yaml"
         if not recorded.exists():
             continue
-        old, new = yaml.safe_load(recorded.read_text()), yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        old, new = yaml.safe_load(recorded.read_text()), yaml.safe_load(yaml.safe_dump(config_record(cfg), sort_keys=False))
         diff = _diff(old, new)
         if diff:
             raise StudyError(f"{recorded} was made with a different config than {study.spec_path} now gives arm {arm!r} "
