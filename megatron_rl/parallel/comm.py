@@ -18,6 +18,15 @@ def broadcast_from_controller(obj: Any) -> Any:
     return box[0]
 
 
+def all_gather_objects(obj: Any) -> list:
+    """Every rank's `obj` (pickled), indexed by global rank, on every rank."""
+    if state.world_size() == 1:
+        return [obj]
+    out: list = [None] * state.world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_gather_dp_rows(local: torch.Tensor) -> torch.Tensor:
     """Concatenate each DP rank's rows (in DP-rank order) so every rank holds the global [B, ...] tensor."""
     size = state.dp_size()

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.parallel import state
+from megatron_rl.parallel.comm import all_gather_objects, broadcast_from_controller
 from megatron_rl.trainer.weight_export import Converter, StreamingExporter, check_finite, nbytes, with_last
 
 
@@ -58,10 +58,7 @@ def export_hf_state_dict(learner) -> Optional[dict[str, torch.Tensor]]:
 
 def _agree(error: Optional[str], extra: Any = None) -> list:
     """Every rank's (error, extra); raises the first error on every rank."""
-    reports = [(error, extra)]
-    if state.world_size() > 1:
-        reports = [None] * state.world_size()
-        dist.all_gather_object(reports, (error, extra))
+    reports = all_gather_objects((error, extra))
     errors = [(rank, e) for rank, (e, _) in enumerate(reports) if e]
     if errors:
         rank, e = errors[0]
@@ -108,10 +105,7 @@ def _share_targets(transport) -> None:
     targets = None
     if state.is_controller():
         targets = transport.targets() if hasattr(transport, "targets") else (list(getattr(transport, "urls", [])), 0)
-    if state.world_size() > 1:
-        box = [targets]
-        dist.broadcast_object_list(box, src=0)
-        targets = box[0]
+    targets = broadcast_from_controller(targets)
     if transport is not None and hasattr(transport, "refresh_targets"):
         transport.refresh_targets(*targets)
 
