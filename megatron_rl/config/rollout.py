@@ -32,6 +32,16 @@ class RolloutConfig(StrictConfig):
     """Engine (or router) base URLs when engine=external."""
     num_engines: int = 1
     """Embedded engines to start."""
+    engine_tp_size: int = 1
+    """Tensor-parallel GPUs per SGLang engine (`--tp-size`); engines use num_engines * engine_tp_size * engine_dp_size GPUs."""
+    engine_dp_size: int = 1
+    """Data-parallel replicas inside each SGLang engine (`--dp-size`)."""
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: engines on their own GPUs (nodes); colocated: engines share the learner's GPUs (release/resume memory)."""
+    mem_fraction_static: float = 0.8
+    """Fraction of each engine GPU's memory SGLang reserves for weights + KV cache (`--mem-fraction-static`)."""
+    sglang_python: str = "python"
+    """Python executable of the environment that has SGLang (the Docker image sets /opt/sglang/bin/python: its torch pin differs)."""
     use_router: bool = False
     """Put the real sglang-router in front of the engines."""
     router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "round_robin"
@@ -71,4 +81,9 @@ class RolloutConfig(StrictConfig):
             raise ValueError("rollout.n_samples_per_prompt must be >= 1")
         if self.num_engines < 1:
             raise ValueError("rollout.num_engines must be >= 1")
+        for name in ("engine_tp_size", "engine_dp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"rollout.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         return self
