@@ -5,8 +5,9 @@
     megatron-rl sft CONFIG          # supervised warm start only
     megatron-rl serve --model-path DIR --port 30000   # embedded SGLang-protocol rollout server
     megatron-rl data CONFIG         # write the synthetic task's JSONL + tokenizer
-    megatron-rl convert hf-to-fp8 SRC DST             # FP8 blockwise HF checkpoint for SGLang
-    megatron-rl convert hf-to-megatron SRC DST --config CONFIG   # reshardable torch_dist checkpoint
+    megatron-rl convert hf-to-megatron HF MG [--config CONFIG]   # reshardable torch_dist checkpoint (torchrun)
+    megatron-rl convert megatron-to-hf MG HF [--hf-config BASE]  # any TP/PP layout -> safetensors shards + index
+    megatron-rl convert hf-to-fp8 HF FP8 | megatron-to-fp8 MG FP8   # FP8 blockwise HF checkpoint for SGLang
     megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
 """
 from __future__ import annotations
@@ -85,18 +86,37 @@ def _print_fields(model, prefix: str) -> None:
 
 
 def cmd_convert(args) -> int:
-    """Checkpoint conversion: hf-to-fp8 (blockwise FP8 HF checkpoint), hf-to-megatron (torch_dist checkpoint)."""
-    from megatron_rl.tools_convert import hf_to_fp8, hf_to_megatron
+    """Checkpoint conversion between HF, megatron torch_dist and HF FP8 blockwise (see megatron_rl/convert)."""
+    from megatron_rl.models.hf_mapping import MappingError
 
+    try:
+        return _convert(args)
+    except (FileNotFoundError, ValueError, MappingError) as exc:
+        # one line naming the file or config key; a traceback adds nothing for a bad input path or model
+        print(f"error: convert {args.kind}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _convert(args) -> int:
+    """Dispatch one conversion kind."""
+    from megatron_rl import convert
+
+    shard = convert.parse_size(args.max_shard_size)
     if args.kind == "hf-to-fp8":
-        print(hf_to_fp8(args.src, args.dst, scale_fmt=args.scale_fmt))
-        return 0
-    if args.kind == "hf-to-megatron":
+        print(convert.hf_to_fp8(args.src, args.dst, scale_fmt=args.scale_fmt, max_shard_bytes=shard))
+    elif args.kind == "megatron-to-fp8":
+        print(convert.megatron_to_fp8(args.src, args.dst, scale_fmt=args.scale_fmt, hf_config_dir=args.hf_config,
+                                      max_shard_bytes=shard))
+    elif args.kind == "megatron-to-hf":
+        print(convert.megatron_to_hf(args.src, args.dst, dtype=args.dtype, hf_config_dir=args.hf_config,
+                                     max_shard_bytes=shard))
+    else:
         from megatron_rl.config import load_config
 
-        print(hf_to_megatron(args.src, args.dst, load_config(args.config, args.overrides)))
-        return 0
-    raise SystemExit(f"unknown conversion {args.kind!r}")
+        # model.* given explicitly must agree with the checkpoint; otherwise the HF config.json alone decides.
+        check = args.config is not None or any(o.startswith("model.") for o in args.overrides)
+        print(convert.hf_to_megatron(args.src, args.dst, load_config(args.config, args.overrides), check_model=check))
+    return 0
 
 
 def _quiet_known_upstream_warnings() -> None:
@@ -127,11 +147,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--fields", action="store_true", help="list every config field with its documentation")
     p.set_defaults(fn=cmd_config)
     p = sub.add_parser("convert", help=cmd_convert.__doc__)
-    p.add_argument("kind", choices=["hf-to-fp8", "hf-to-megatron"])
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--scale-fmt", default="fp32", choices=["fp32", "ue8m0"], help="hf-to-fp8: scale format")
-    p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the model and parallel layout")
+    p.add_argument("kind", choices=["hf-to-megatron", "megatron-to-hf", "hf-to-fp8", "megatron-to-fp8"])
+    p.add_argument("src", help="HF directory, or megatron checkpoint (step_<N> directory or checkpoint root)")
+    p.add_argument("dst", help="output directory")
+    p.add_argument("--scale-fmt", default="fp32", choices=["fp32", "ue8m0"], help="*-to-fp8: block scale format")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="megatron-to-hf: cast weights (default: as stored)")
+    p.add_argument("--hf-config", default=None, help="megatron-to-*: base HF directory whose config.json and tokenizer files are used")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size, e.g. 5GB, 500MB or bytes")
+    p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the parallel layout (model.* is checked)")
     p.add_argument("overrides", nargs="*", help="hf-to-megatron: dotted.key=value overrides of --config")
     p.set_defaults(fn=cmd_convert)
     sub.add_parser("serve", help="embedded SGLang-protocol rollout server (see --help after 'serve')")

@@ -150,7 +150,7 @@ def check_external_rollout(cfg: RunConfig) -> None:
 def open_session(cfg: RunConfig) -> RunSession:
     """Build the whole run; resumes from the newest checkpoint of run_dir when cfg.checkpoint.resume."""
     from megatron_rl.trainer.learner import Learner
-    from megatron_rl.warm_start import ensure_warm_start, initialize_learner
+    from megatron_rl.warm_start import ensure_warm_start, initialize_learner, model_vocab_size
 
     run_dir = Path(cfg.run_dir)
     state.init_distributed(cfg.parallel, cfg.train.seed)
@@ -163,7 +163,7 @@ def open_session(cfg: RunConfig) -> RunSession:
     tokenizer, train_rows, eval_rows = _controller_first(lambda: load_datasets(cfg, run_dir))
     hf_dir = ensure_warm_start(cfg, run_dir, tokenizer, train_rows)
     total = cfg.train.steps * cfg.train.num_minibatches * cfg.train.ppo_epochs
-    learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=len(tokenizer),
+    learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=model_vocab_size(hf_dir, tokenizer),
                       seed=cfg.train.seed, total_steps=total)
     hf_dir = initialize_learner(learner, hf_dir, tokenizer, run_dir)
     session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,

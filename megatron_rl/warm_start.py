@@ -46,6 +46,29 @@ def is_megatron_checkpoint(path: str | Path) -> bool:
     return (path / "COMPLETE").exists() or latest_checkpoint(path) is not None
 
 
+def model_vocab_size(init_dir: str, tokenizer) -> int:
+    """Rows of the model's embedding: the init checkpoint's (HF config.json or megatron meta.json), else the tokenizer's.
+
+    Real checkpoints pad the vocabulary beyond the tokenizer (Qwen3: 151936 rows, 151669 tokens), so sizing
+    the learner from the tokenizer would not fit their weights.
+    """
+    path = Path(init_dir)
+    if (path / "config.json").exists():
+        import json
+
+        rows = int(json.loads((path / "config.json").read_text()).get("vocab_size") or len(tokenizer))
+    elif is_megatron_checkpoint(path):
+        from megatron_rl.trainer.checkpoint_reader import checkpoint_architecture
+
+        rows = checkpoint_architecture(path).vocab_size
+    else:
+        return len(tokenizer)
+    if rows < len(tokenizer):
+        raise ValueError(f"model.init_checkpoint={init_dir} has {rows} embedding rows, fewer than the tokenizer's "
+                         f"{len(tokenizer)} tokens (data.tokenizer_dir): they belong to different models")
+    return rows
+
+
 def initialize_learner(learner, init_dir: str, tokenizer, run_dir: Path) -> str:
     """Load the initial weights (HF or megatron checkpoint); returns the HF directory engines start from."""
     if not is_megatron_checkpoint(init_dir):

@@ -455,8 +455,12 @@ def load_checkpoint(learner: Any, path: str, load_optimizer: bool = True, load_r
             f"{ckpt} was saved with use_distributed_optimizer={meta['layout']['use_distributed_optimizer']} and this "
             f"learner uses {distopt}: optimizer state cannot be converted; pass load_optimizer=False to load weights only"
         )
+    from megatron_rl.models.hf_arch import SHAPE_FIELDS
+
     arch = _arch_fields(learner)
-    diff = {k: (v, arch[k]) for k, v in meta.get("arch", {}).items() if k in arch and arch[k] != v}
+    # Only fields that change the weights or the function count: a preset and the architecture derived from the
+    # same model's HF config differ in name, vocab padding rule and position limit, and load each other's weights.
+    diff = {k: (v, arch[k]) for k, v in meta.get("arch", {}).items() if k in SHAPE_FIELDS and k in arch and arch[k] != v}
     if diff:
         raise ValueError(f"{ckpt} holds another architecture; (checkpoint, learner) values: {diff}")
     metadata = _sharding_metadata(distopt)
