@@ -55,7 +55,7 @@ def controller_rollout(session: RunSession, step: int, timers: Timers):
     with timers("advantages"):
         adv, _, adv_metrics = reward.advantages(samples, cfg.algo)
         batch = batching.build_train_batch(samples.samples, adv, session.tokenizer.pad_token_id,
-                                           batching.seq_multiple(cfg.parallel), session.learner.arch.max_seq_len)
+                                           batching.seq_multiple(cfg.parallel, cfg.precision), session.learner.arch.max_seq_len)
     return batch, {**metrics, **adv_metrics}, samples.samples[: cfg.tracking.log_samples]
 
 

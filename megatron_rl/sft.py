@@ -67,7 +67,7 @@ def run_sft(cfg: RunConfig, tokenizer, train_rows: Sequence[PromptRow], out_dir:
     if s.global_batch_size % (dp * s.micro_batch_size) != 0:
         raise ValueError(f"sft.global_batch_size={s.global_batch_size} must be divisible by DP size {dp} * sft.micro_batch_size={s.micro_batch_size}")
     rng = random.Random(cfg.data.seed)
-    seq_multiple = batching.seq_multiple(cfg.parallel)
+    seq_multiple = batching.seq_multiple(cfg.parallel, precision)
     bar = tqdm(range(s.steps), desc="SFT warm start", unit="step", disable=not (state.is_controller() and cfg.tracking.progress_bar), dynamic_ncols=True)
     start = time.perf_counter()
     loss = float("nan")
