@@ -8,6 +8,7 @@
     megatron-rl convert hf-to-megatron HF MG [--config CONFIG]   # reshardable torch_dist checkpoint (torchrun)
     megatron-rl convert megatron-to-hf MG HF [--hf-config BASE]  # any TP/PP layout -> safetensors shards + index
     megatron-rl convert hf-to-fp8 HF FP8 | megatron-to-fp8 MG FP8   # FP8 blockwise HF checkpoint for SGLang
+    megatron-rl plan CONFIG --nodes N [--gpus-per-node G] [--gpu h100|h200|b200]   # check + estimate a layout
     megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
 """
 from __future__ import annotations
@@ -119,6 +120,13 @@ def _convert(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Check a config's layout against an allocation and estimate memory, traffic and step time (megatron_rl/plan)."""
+    from megatron_rl.plan.report import run
+
+    return run(_load(args), args, title=args.config or "")
+
+
 def _quiet_known_upstream_warnings() -> None:
     """Silence megatron-core's import-time notices about TE/Apex fallbacks (expected on CPU, noise in the job's output)."""
     import warnings
@@ -157,6 +165,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the parallel layout (model.* is checked)")
     p.add_argument("overrides", nargs="*", help="hf-to-megatron: dotted.key=value overrides of --config")
     p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("plan", help=cmd_plan.__doc__)
+    _add_config_args(p)
+    from megatron_rl.plan.report import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(fn=cmd_plan)
     sub.add_parser("serve", help="embedded SGLang-protocol rollout server (see --help after 'serve')")
     args = parser.parse_args(argv)
     from megatron_rl.config import ConfigError
