@@ -16,7 +16,8 @@ import torch
 
 from megatron_rl.algo.clipper import CalibratedClipper
 from megatron_rl.config import RunConfig, dump_config
-from megatron_rl.data.jsonl import PromptRow, read_jsonl
+from megatron_rl.data.jsonl import PromptRow
+from megatron_rl.data.sources import load_prompts
 from megatron_rl.parallel import state
 from megatron_rl.reward import RewardFn, get_reward_fn
 
@@ -90,10 +91,11 @@ def load_datasets(cfg: RunConfig, run_dir: Path):
         paths = prepare_task_data(cfg.data, run_dir / "data")
     else:
         paths = {}
-    tokenizer = load_tokenizer(d.tokenizer_dir or paths["tokenizer"])
-    train = read_jsonl(d.train_file or paths["train"])
+    tokenizer_dir = d.tokenizer_dir or paths["tokenizer"]
+    tokenizer = load_tokenizer(tokenizer_dir)
+    train = load_prompts(d.train_file or paths["train"], d, tokenizer, tokenizer_dir, generated=d.train_file is None)
     eval_path = d.eval_file or paths.get("eval")
-    evals = read_jsonl(eval_path) if eval_path else []
+    evals = load_prompts(eval_path, d, tokenizer, tokenizer_dir, generated=d.eval_file is None) if eval_path else []
     return tokenizer, train, evals
 
 
