@@ -20,6 +20,7 @@ from megatron_rl.phases.loss import RLLoss, with_sequence_rollout_weights
 from megatron_rl.runtime import RunSession, open_session, save
 from megatron_rl.tracking import MetricsWriter, Timers
 from megatron_rl.tracking.report import Progress, print_summary
+from megatron_rl.tracking.wandb_sink import open_sinks
 
 
 def prompts_for_step(session: RunSession, step: int):
@@ -96,7 +97,8 @@ def run(cfg: RunConfig) -> dict:
     session = open_session(cfg)
     timers, is_controller = Timers(), state.is_controller()
     writer = MetricsWriter(session.run_dir, cfg.tracking.jsonl, cfg.tracking.tensorboard,
-                           resume_step=session.start_step if session.start_step else None) if is_controller else None
+                           resume_step=session.start_step if session.start_step else None,
+                           sinks=open_sinks(cfg, session.run_dir)) if is_controller else None
     start_wall = time.perf_counter()
     try:
         weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step)

@@ -1,7 +1,8 @@
 """Step schedule, batch sizes, checkpointing and tracking configs."""
 from __future__ import annotations
 
-from typing import Optional
+import importlib.util
+from typing import Literal, Optional
 
 from pydantic import model_validator
 
@@ -77,9 +78,19 @@ class TrackingConfig(StrictConfig):
     """Show a progress bar on the controller."""
     log_samples: int = 2
     """Completions printed to the sample log per step."""
+    wandb: bool = False
+    """Also log step metrics to Weights & Biases (optional extra: pip install megatron_rl[wandb]); files under <run_dir>/wandb."""
+    wandb_project: str = "megatron_rl"
+    """W&B project."""
+    wandb_name: Optional[str] = None
+    """W&B run name (default: the run directory's name)."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    """offline writes the run under <run_dir>/wandb without a network (upload later with `wandb sync`); online streams it."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrackingConfig":
         if self.log_samples < 0:
             raise ValueError("tracking.log_samples must be >= 0")
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError("tracking.wandb=true needs the wandb package: pip install 'megatron_rl[wandb]' (or wandb)")
         return self
