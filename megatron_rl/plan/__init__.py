@@ -181,7 +181,8 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
         num_microbatches=microbatches, logprob_chunk=p.logprob_chunk_size, kl_reference=cfg.algo.kl.coef > 0,
         overhead_bytes=int(opt.overhead_gib * GIB))
     usable = device.memory_bytes
-    if lm.total() > usable:
+    # Without a valid learner layout (no GPUs, or they do not divide) its memory is not meaningful yet.
+    if lay.dp > 0 and lm.total() > usable:
         if lm.total(recompute=True) <= usable:
             findings.append(Finding("learner-needs-recompute", "warning",
                                     f"learner peak {lm.total() / GIB:.1f} GiB > {usable / GIB:.1f} GiB without recompute, "
