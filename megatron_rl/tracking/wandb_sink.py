@@ -37,8 +37,11 @@ class WandbSink:
         self.run.log(scalars, step=step)
 
     def close(self) -> None:
-        """Finish the run (flushes offline files)."""
+        """Finish the run and stop W&B's service process, which writes the run file: only then is it complete on disk."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
 
 
 def open_sinks(cfg, run_dir: str | Path) -> list[WandbSink]:
