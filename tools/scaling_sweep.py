@@ -65,12 +65,12 @@ def job_command(launcher: str, config: str, overrides: list[str], nodes: int, gp
             f"-m megatron_rl.cli train {shlex.quote(config)} {args}")
 
 
-def sbatch_file(name: str, command: str, nodes: int, gpus_per_node: int, run_dir: str) -> str:
+def sbatch_file(name: str, command: str, nodes: int, gpus_per_node: int, run_dir: str, engine_nodes: int = 1) -> str:
     """A job script for one cell (the Slurm launch script itself runs `megatron-rl plan` first)."""
     return (f"#!/usr/bin/env bash\n#SBATCH --job-name=scaling-{name}\n#SBATCH --nodes={nodes}\n"
             f"#SBATCH --gpus-per-node={gpus_per_node}\n#SBATCH --ntasks-per-node=1\n#SBATCH --exclusive\n"
             f"#SBATCH --output={run_dir}/slurm-%j.out\nset -euo pipefail\nmkdir -p {shlex.quote(run_dir)}\n"
-            f"cd {shlex.quote(str(REPO))}\nexec {command}\n")
+            f"cd {shlex.quote(str(REPO))}\nexport ENGINE_NODES={engine_nodes}\nexec {command}\n")
 
 
 def main(argv=None) -> int:
@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--launcher", choices=["slurm", "local"], default="slurm")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length the plan assumes (default 512)")
     p.add_argument("--mfu", type=float, default=0.4, help="MFU the plan assumes (default 0.4)")
+    p.add_argument("--engine-nodes", type=int, default=1, help="disaggregated: nodes running engines in every cell (default 1)")
     p.add_argument("--out", required=True, help="output directory (manifest, job scripts, runs/)")
     args = p.parse_intermixed_args(argv)  # overrides may follow the options
 
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
                              "tracking.progress_bar=false"]
                 cfg = load_config(args.config, overrides)
                 plan = make_plan(cfg, nodes, args.gpus_per_node, args.gpu,
-                                 PlanOptions(prompt_tokens=args.prompt_tokens, mfu=args.mfu))
+                                 PlanOptions(prompt_tokens=args.prompt_tokens, mfu=args.mfu, engine_nodes=args.engine_nodes))
                 cell = {"name": name, "nodes": nodes, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu,
                         "layout": layout, "precision": prec, "run_dir": run_dir, "overrides": overrides,
                         "samples_per_step": cfg.train.prompts_per_step * cfg.rollout.n_samples_per_prompt,
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
                                                   args.gpus_per_node, cfg.rollout.placement)
                     if args.launcher == "slurm":
                         job = out / "jobs" / f"{name}.sbatch"
-                        job.write_text(sbatch_file(name, cell["command"], nodes, args.gpus_per_node, run_dir))
+                        job.write_text(sbatch_file(name, cell["command"], nodes, args.gpus_per_node, run_dir,
+                                                   args.engine_nodes))
                         lines.append(f"sbatch {shlex.quote(str(job))}")
                     else:
                         lines.append(f"echo '== {name}' && mkdir -p {shlex.quote(run_dir)} && "

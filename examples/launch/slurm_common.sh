@@ -2,8 +2,9 @@
 # Shared part of the Slurm launch scripts (sourced): plan the layout on this allocation, start engines and the
 # router, wait until they are healthy. Expects: config, overrides (array), PY; sets hosts, gpus and the layout
 # variables of megatron_rl/plan/launch.py; registers cleanup of the background steps.
-# Settings (all optional): GPU_KIND (h100|h200|b200, for the plan), ROUTER_PORT (30000), ENGINE_BASE_PORT (30001),
-# ENGINE_STARTUP_TIMEOUT (seconds, 1800), PYTHON (the training environment's python).
+# Settings (all optional): ENGINE_NODES (disaggregated: nodes running engines, the first ones; default 1; each runs
+# rollout.num_engines engines), GPU_KIND (h100|h200|b200, for the plan), ROUTER_PORT (30000), ENGINE_BASE_PORT
+# (30001), ENGINE_STARTUP_TIMEOUT (seconds, 1800), PYTHON (the training environment's python).
 
 gpus=${SLURM_GPUS_ON_NODE:-8}
 gpus=${gpus##*:}          # "h100:8" -> "8"
@@ -13,11 +14,10 @@ engine_port=${ENGINE_BASE_PORT:-30001}
 
 # 1. The layout must fit this allocation before anything starts (named errors, exit 2 otherwise).
 "$PY" -m megatron_rl.cli plan "$config" "${overrides[@]}" --nodes "${#hosts[@]}" --gpus-per-node "$gpus" \
-  --gpu "${GPU_KIND:-h100}"
+  --gpu "${GPU_KIND:-h100}" --engine-nodes "${ENGINE_NODES:-1}"
 eval "$("$PY" -m megatron_rl.plan.launch "$config" "${overrides[@]}" --gpus-per-node "$gpus" --gpu "${GPU_KIND:-h100}" \
-  --hosts "${hosts[@]}" --router-port "$router_port" --engine-base-port "$engine_port")"
+  --hosts "${hosts[@]}" --router-port "$router_port" --engine-base-port "$engine_port" --engine-nodes "${ENGINE_NODES:-1}")"
 read -ra engine_hosts <<< "$ENGINE_HOSTS"
-read -ra engine_counts <<< "$ENGINE_COUNTS"
 read -ra learner_hosts <<< "$LEARNER_HOSTS"
 
 step_pids=()
@@ -27,12 +27,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# 2. Engines: `megatron-rl engines` starts this node's SGLang engines (rollout.sglang_python), waits until they
-#    are healthy and blocks; one step per engine node, sharing the node with other steps (--overlap).
-for i in "${!engine_hosts[@]}"; do
-  srun --nodes=1 --ntasks=1 --overlap --nodelist="${engine_hosts[$i]}" \
-    "$PY" -m megatron_rl.cli engines "$config" "${overrides[@]}" "rollout.num_engines=${engine_counts[$i]}" \
-    rollout.host=0.0.0.0 "rollout.base_port=$engine_port" &
+# 2. Engines: `megatron-rl engines` starts this node's rollout.num_engines SGLang engines (rollout.sglang_python),
+#    waits until they are healthy and blocks; one step per engine node, sharing the node with other steps
+#    (--overlap). Its own per-node router is off: one router below fronts the engines of every node.
+for host in "${engine_hosts[@]}"; do
+  srun --nodes=1 --ntasks=1 --overlap --nodelist="$host" \
+    "$PY" -m megatron_rl.cli engines "$config" "${overrides[@]}" rollout.host=0.0.0.0 "rollout.base_port=$engine_port" \
+    rollout.use_router=false &
   step_pids+=($!)
 done
 

@@ -38,6 +38,8 @@ class PlanOptions:
     """Fraction of peak HBM bandwidth a decode iteration achieves."""
     overhead_gib: float = 4.0
     """Per-GPU allowance for the CUDA context, NCCL buffers and allocator fragmentation."""
+    engine_nodes: int = 1
+    """Nodes running `megatron-rl engines` when disaggregated (rollout.num_engines counts the engines of one node)."""
 
 
 @dataclass
@@ -123,20 +125,26 @@ class Plan:
         return out
 
 
-def _layout(cfg, nodes: int, gpus_per_node: int, device: DeviceSpec) -> Layout:
-    """Engine nodes first (disaggregated engines own whole nodes), the learner gets the rest."""
+def _layout(cfg, nodes: int, gpus_per_node: int, device: DeviceSpec, engine_nodes: int) -> Layout:
+    """Engines per node x engine nodes (disaggregated: whole nodes of their own; colocated: every node), learner the rest.
+
+    rollout.num_engines x engine_tp_size x engine_dp_size are one node's engine GPUs, as `megatron-rl engines` starts
+    them per node (rollout/node.py); embedded engines are CPU processes and take no GPU.
+    """
     r, p = cfg.rollout, cfg.parallel
-    engine_gpus = 0 if r.engine == "embedded" else r.num_engines * r.engine_tp_size * r.engine_dp_size
-    if r.placement == "colocated":
-        engine_nodes, learner_gpus = 0, nodes * gpus_per_node
+    per_node = 0 if r.engine == "embedded" else r.num_engines * r.engine_tp_size * r.engine_dp_size
+    if r.engine == "embedded":
+        engine_nodes, learner_gpus = 1, nodes * gpus_per_node
+    elif r.placement == "colocated":
+        engine_nodes, learner_gpus = nodes, nodes * gpus_per_node
     else:
-        engine_nodes = math.ceil(engine_gpus / gpus_per_node)
         learner_gpus = (nodes - engine_nodes) * gpus_per_node
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     dp = learner_gpus // mp if learner_gpus > 0 and learner_gpus % mp == 0 else 0
     return Layout(nodes=nodes, gpus_per_node=gpus_per_node, device=device.name, placement=r.placement,
-                  engine_kind=r.engine, engine_gpus=engine_gpus, engine_nodes=engine_nodes,
-                  engine_replicas=r.num_engines * r.engine_dp_size, learner_gpus=learner_gpus,
+                  engine_kind=r.engine, engine_gpus=per_node * engine_nodes,
+                  engine_nodes=engine_nodes if r.engine != "embedded" else 0,
+                  engine_replicas=r.num_engines * r.engine_dp_size * engine_nodes, learner_gpus=learner_gpus,
                   tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                   vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size, dp=dp)
 
@@ -152,11 +160,14 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     opt = options or PlanOptions()
     device = get_device(gpu)
     arch = resolve_architecture(cfg.model, vocab_size)
-    lay = _layout(cfg, nodes, gpus_per_node, device)
+    if opt.engine_nodes < 1:
+        raise ValueError(f"--engine-nodes must be >= 1, got {opt.engine_nodes}")
+    lay = _layout(cfg, nodes, gpus_per_node, device, opt.engine_nodes)
     r, p, t, prec = cfg.rollout, cfg.parallel, cfg.train, cfg.precision
     findings = checks.architecture_checks(arch, lay.tp, lay.pp, lay.vpp)
     findings += checks.fp8_alignment_checks(arch, lay.tp, prec.recipe)
-    findings += checks.allocation_checks(nodes=nodes, gpus_per_node=gpus_per_node, engine_gpus=lay.engine_gpus,
+    findings += checks.allocation_checks(nodes=nodes, gpus_per_node=gpus_per_node,
+                                         engine_gpus_per_node=lay.engine_gpus // max(lay.engine_nodes, 1),
                                          engine_tp=r.engine_tp_size, engine_nodes=lay.engine_nodes,
                                          learner_gpus=lay.learner_gpus, model_parallel=lay.tp * lay.pp * lay.cp,
                                          placement=lay.placement, engine_kind=lay.engine_kind, arch=arch)
@@ -199,11 +210,14 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     concurrent = math.ceil(min(r.concurrency, t.prompts_per_step) * r.n_samples_per_prompt / max(replicas, 1))
     seq_tokens = opt.prompt_tokens + response
     if lay.engine_kind != "embedded":
+        fraction = r.mem_fraction_static
+        if fraction is None:
+            fraction = memory.sglang_default_mem_fraction(device.memory_bytes, r.engine_tp_size)
         em = memory.engine_memory(arch, engine_tp=r.engine_tp_size, fp8_weights=fp8_rollout,
                                   kv_fp8=prec.kv_cache_dtype == "fp8_e4m3", device_bytes=device.memory_bytes,
-                                  mem_fraction_static=r.mem_fraction_static, concurrent_sequences=concurrent,
+                                  mem_fraction_static=fraction, concurrent_sequences=concurrent,
                                   tokens_per_sequence=seq_tokens)
-        findings += _engine_findings(em, lay, lm, device, r.mem_fraction_static, seq_tokens)
+        findings += _engine_findings(em, lay, lm, device, fraction, seq_tokens)
 
     payload = throughput.weight_sync_bytes(arch, fp8_rollout)
     calib = cfg.algo.calibration

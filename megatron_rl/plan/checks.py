@@ -92,12 +92,11 @@ def fp8_alignment_checks(arch: Architecture, tp: int, recipe: str) -> list[Findi
                     f"precision.recipe={recipe} needs GEMM dims divisible by {align}; not: {bad} (TP={tp})")]
 
 
-def allocation_checks(*, nodes: int, gpus_per_node: int, engine_gpus: int, engine_tp: int, engine_nodes: int,
+def allocation_checks(*, nodes: int, gpus_per_node: int, engine_gpus_per_node: int, engine_tp: int, engine_nodes: int,
                       learner_gpus: int, model_parallel: int, placement: str, engine_kind: str,
                       arch: Architecture) -> list[Finding]:
     """Do learner and engines fit the allocation (disaggregated: engines own whole nodes; colocated: they share)?"""
     out = []
-    total = nodes * gpus_per_node
     if engine_kind == "embedded":
         out.append(Finding("embedded-engines", "info", "rollout.engine=embedded: engines are CPU processes; every GPU is the learner's"))
     elif engine_tp > gpus_per_node:
@@ -106,16 +105,15 @@ def allocation_checks(*, nodes: int, gpus_per_node: int, engine_gpus: int, engin
     if engine_kind != "embedded" and arch.num_attention_heads % engine_tp:
         out.append(Finding("engine-heads-not-divisible", "error",
                            f"num_attention_heads={arch.num_attention_heads} is not divisible by rollout.engine_tp_size={engine_tp}"))
-    if engine_gpus > total:
+    if engine_gpus_per_node > gpus_per_node or (placement == "disaggregated" and engine_nodes > nodes):
         out.append(Finding("engines-exceed-allocation", "error",
-                           f"engines need {engine_gpus} GPUs (rollout.num_engines x engine_tp_size x engine_dp_size), "
-                           f"the allocation has {nodes} x {gpus_per_node} = {total}"))
+                           f"engines need {engine_gpus_per_node} GPUs per engine node (rollout.num_engines x engine_tp_size x "
+                           f"engine_dp_size) on {engine_nodes} node(s); the allocation has {nodes} x {gpus_per_node}"))
         return out
-    if placement == "disaggregated" and engine_gpus and engine_nodes * gpus_per_node > engine_gpus:
-        idle = engine_nodes * gpus_per_node - engine_gpus
+    if placement == "disaggregated" and engine_kind != "embedded" and engine_gpus_per_node < gpus_per_node:
         out.append(Finding("engine-gpus-idle", "warning",
-                           f"{idle} GPU(s) on the {engine_nodes} engine node(s) run nothing: raise rollout.num_engines or "
-                           f"engine_tp_size/engine_dp_size to {engine_nodes * gpus_per_node} GPUs"))
+                           f"{gpus_per_node - engine_gpus_per_node} GPU(s) per engine node run nothing: raise rollout.num_engines "
+                           f"or engine_tp_size/engine_dp_size to {gpus_per_node} GPUs per node"))
     if learner_gpus <= 0:
         out.append(Finding("no-gpus-for-learner", "error",
                            f"rollout.placement={placement}: the engines take {engine_nodes} of {nodes} node(s), leaving no "

@@ -222,3 +222,16 @@ def engine_memory(arch: Architecture, *, engine_tp: int, fp8_weights: bool, kv_f
     capacity = (pool - weights) // per_token
     return EngineMemory(weights=weights, kv_bytes_per_token=per_token, pool=pool, kv_capacity_tokens=int(capacity),
                         kv_demand_tokens=concurrent_sequences * tokens_per_sequence)
+
+
+def sglang_default_mem_fraction(device_bytes: int, engine_tp: int) -> float:
+    """SGLang's own --mem-fraction-static when unset (ServerArgs of sglang 0.5.8, dense model, no speculative decoding):
+    (M - reserved) / M in MiB, reserved = 512 + 1.5 x chunked_prefill_size + 2 x cuda_graph_max_bs + tp / 8 x 1024,
+    at least 10 GiB above 60 GiB; chunked prefill 8192 below 160 GiB (16384 above), graph batch 256 (TP < 4) or 512."""
+    mib = device_bytes / 2**20
+    chunk = 8192 if mib < 160 * 1024 else 16384
+    graph_bs = 512 if (mib >= 160 * 1024 or engine_tp >= 4) else 256
+    reserved = 512 + 1.5 * chunk + 2 * graph_bs + engine_tp / 8 * 1024
+    if mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    return round((mib - reserved) / mib, 3)

@@ -85,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tps", type=float, default=None, help="decode tokens/s per replica (default: from HBM bandwidth)")
     p.add_argument("--hbm-efficiency", type=float, default=d.hbm_efficiency, help=f"decode HBM efficiency (default {d.hbm_efficiency})")
     p.add_argument("--overhead-gib", type=float, default=d.overhead_gib, help=f"per-GPU overhead allowance (default {d.overhead_gib})")
+    p.add_argument("--engine-nodes", type=int, default=d.engine_nodes,
+                   help="nodes running `megatron-rl engines` when disaggregated (rollout.num_engines is per node; default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -92,7 +94,8 @@ def run(cfg, args, title: str = "") -> int:
     """Plan `cfg` for the allocation in `args`; print the report (or JSON); 0 if every check passed, else 2."""
     options = PlanOptions(prompt_tokens=args.prompt_tokens, response_fill=args.response_fill, mfu=args.mfu,
                           fp8_speedup=args.fp8_speedup, decode_tokens_per_s=args.decode_tps,
-                          hbm_efficiency=args.hbm_efficiency, overhead_gib=args.overhead_gib)
+                          hbm_efficiency=args.hbm_efficiency, overhead_gib=args.overhead_gib,
+                          engine_nodes=args.engine_nodes)
     plan = make_plan(cfg, args.nodes, args.gpus_per_node, args.gpu, options)
     print(json.dumps(plan.to_dict(), indent=1, default=str) if args.json else render(plan, title))
     return 0 if plan.ok else 2
