@@ -22,23 +22,24 @@ def stated_allocation(config: Path) -> dict:
     line = next(line for line in config.read_text().splitlines() if line.startswith("# plan:"))
     args = shlex.split(line.split(":", 1)[1])
     return {"nodes": int(args[args.index("--nodes") + 1]), "gpus_per_node": int(args[args.index("--gpus-per-node") + 1]),
-            "gpu": args[args.index("--gpu") + 1]}
+            "gpu": args[args.index("--gpu") + 1], "engine_nodes": int(args[args.index("--engine-nodes") + 1])}
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs_pass_for_their_stated_allocation(name):
     alloc = stated_allocation(CONFIGS / name)
-    plan = make_plan(load_config(CONFIGS / name), **alloc)
+    engine_nodes = alloc.pop("engine_nodes")
+    plan = make_plan(load_config(CONFIGS / name), **alloc, options=PlanOptions(engine_nodes=engine_nodes))
     assert plan.ok, plan.findings
     assert plan.codes("warning") == [], plan.findings
     lay = plan.layout
-    assert lay.engine_gpus == lay.engine_nodes * lay.gpus_per_node, "engine nodes are fully used"
+    assert lay.engine_gpus == lay.engine_nodes * lay.gpus_per_node == engine_nodes * 8, "engine nodes are fully used"
     assert lay.learner_gpus + lay.engine_gpus == alloc["nodes"] * alloc["gpus_per_node"]
     assert plan.learner_memory.total() < 80e9 and plan.step_time.total > 0
 
 
-def _plan(overrides=(), config="qwen3_8b_fp8_grpo.yaml", nodes=2, gpus=8, gpu="h100"):
-    return make_plan(load_config(CONFIGS / config, list(overrides)), nodes, gpus, gpu)
+def _plan(overrides=(), config="qwen3_8b_fp8_grpo.yaml", nodes=2, gpus=8, gpu="h100", engine_nodes=1):
+    return make_plan(load_config(CONFIGS / config, list(overrides)), nodes, gpus, gpu, PlanOptions(engine_nodes=engine_nodes))
 
 
 BROKEN = {
@@ -52,7 +53,7 @@ BROKEN = {
                                                     "parallel.virtual_pipeline_model_parallel_size=2",
                                                     "train.micro_batch_size=256"]),
     "no-gpus-for-learner": dict(nodes=1),
-    "learner-gpus-not-divisible": dict(config="qwen3_32b_fp8_dapo.yaml", nodes=5),
+    "learner-gpus-not-divisible": dict(config="qwen3_32b_fp8_dapo.yaml", nodes=5, engine_nodes=2),
     "engines-exceed-allocation": dict(overrides=["rollout.num_engines=100"]),
     "engine-tp-exceeds-node": dict(overrides=["rollout.num_engines=1", "rollout.engine_tp_size=16"], nodes=3),
     "engine-heads-not-divisible": dict(overrides=["rollout.num_engines=2", "rollout.engine_tp_size=3"]),
@@ -61,9 +62,10 @@ BROKEN = {
     "fp8-gemm-misaligned": dict(overrides=["model.ffn_hidden_size=12296"]),
     "learner-out-of-memory": dict(config="qwen3_32b_fp8_dapo.yaml", overrides=["parallel.tensor_model_parallel_size=1",
                                                                                 "parallel.pipeline_model_parallel_size=1",
-                                                                                "parallel.sequence_parallel=false"], nodes=6),
+                                                                                "parallel.sequence_parallel=false"], nodes=6, engine_nodes=2),
     "engine-weights-exceed-pool": dict(config="qwen3_32b_fp8_dapo.yaml", overrides=["rollout.engine_tp_size=1",
-                                                                                     "precision.rollout_quantization=none"], nodes=6),
+                                                                                     "precision.rollout_quantization=none", "rollout.mem_fraction_static=0.7"], nodes=6,
+                                       engine_nodes=2),
     "kv-cache-below-one-sequence": dict(overrides=["rollout.mem_fraction_static=0.12"]),
     "colocated-out-of-memory": dict(overrides=["rollout.placement=colocated"], nodes=1),
 }
@@ -99,6 +101,7 @@ def test_cli_exit_status_json_and_report(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] and data["layout"]["dp"] == 4 and data["step_time"]["total"] > 0
     assert main(["plan", config, "--nodes", "2", "--gpu", "b200"]) == 0
+    assert main(["plan", config, "--nodes", "2", "--engine-nodes", "2"]) == 2  # both nodes to engines: none left
     out = capsys.readouterr().out
     assert "Korthikanti" in out and "Kaplan" in out and "result: OK" in out
 
@@ -161,3 +164,12 @@ def test_options_change_the_estimate_as_stated():
     stated = make_plan(cfg, 2, 8, "h100", PlanOptions(decode_tokens_per_s=1000.0))
     assert stated.decode_tokens_per_s == 1000.0
     assert make_plan(cfg, 2, 8, "h200").engine_memory.kv_capacity_tokens > base.engine_memory.kv_capacity_tokens
+
+
+def test_sglang_default_memory_fraction_follows_its_heuristic():
+    """ServerArgs (sglang 0.5.8): H100 80 GB, TP1 -> (M - max(512 + 1.5*8192 + 2*256 + 128, 10240)) / M MiB."""
+    m = 80 * 10**9 / 2**20
+    assert memory.sglang_default_mem_fraction(80 * 10**9, 1) == round((m - (512 + 12288 + 512 + 128)) / m, 3)
+    assert memory.sglang_default_mem_fraction(180 * 10**9, 8) < memory.sglang_default_mem_fraction(180 * 10**9, 1)
+    plan = _plan(["rollout.mem_fraction_static=null"])
+    assert plan.engine_memory.pool == int(memory.sglang_default_mem_fraction(80 * 10**9, 1) * 80 * 10**9)

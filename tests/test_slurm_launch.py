@@ -57,7 +57,8 @@ def test_disaggregated_layout(stubs):
     router = [c for c in calls if "sglang_router.launch_router" in c]
     learners = [c for c in calls if "torchrun_node.sh" in c]
     health = [c for c in calls if c.startswith("curl")]
-    assert len(engines) == 1 and "--nodelist=node-0" in engines[0] and "rollout.num_engines=8" in engines[0]
+    assert len(engines) == 1 and "--nodelist=node-0" in engines[0] and "rollout.use_router=false" in engines[0]
+    assert "rollout.base_port=30001" in engines[0] and "rollout.host=0.0.0.0" in engines[0]
     workers = [f"http://node-0:{30001 + k}" for k in range(8)]
     assert len(router) == 1 and "--nodelist=node-0" in router[0] and " ".join(workers) in router[0]
     assert len(health) == 9 and all(any(u in c for c in health) for u in workers + ["http://node-0:30000"])
@@ -72,12 +73,13 @@ def test_disaggregated_layout(stubs):
 @pytest.mark.slow
 def test_colocated_layout(stubs):
     hosts = ["node-0", "node-1"]
-    rc, calls, out = run_script("slurm_colocated.sbatch", stubs, hosts, str(CONFIG), "rollout.mem_fraction_static=0.3",
-                                "rollout.num_engines=16")
+    rc, calls, out = run_script("slurm_colocated.sbatch", stubs, hosts, str(CONFIG), "rollout.mem_fraction_static=0.3")
     assert rc == 0, out
     engines = [c for c in calls if c.startswith("srun") and " engines " in c]
     assert sorted(c.split("--nodelist=")[1].split()[0] for c in engines) == hosts
-    assert all("rollout.num_engines=8" in c and "rollout.placement=colocated" in c for c in engines)
+    assert all("rollout.placement=colocated" in c for c in engines)
+    router = next(c for c in calls if "sglang_router.launch_router" in c)
+    assert all(f"http://{h}:{30001 + k}" in router for h in hosts for k in range(8))
     learner = next(c for c in calls if "torchrun_node.sh" in c)
     assert "--nodelist=node-0,node-1" in learner and "NNODES=2" in learner and "--overlap" in learner
     assert "MASTER_ADDR=node-0" in learner
@@ -102,10 +104,11 @@ def test_sweep_jobs_submit_through_sbatch(stubs, tmp_path):
     assert len(calls) == 2 and all(c.startswith("sbatch ") and c.endswith(".sbatch") for c in calls)
 
 
-def test_host_assignment_fills_engine_nodes_in_order():
-    cfg = load_config(CONFIG, ["rollout.num_engines=6", "rollout.engine_tp_size=2"])
-    values = assign(cfg, ["a", "b", "c"], 8)
-    assert values["ENGINE_HOSTS"] == "a b" and values["ENGINE_COUNTS"] == "4 2" and values["LEARNER_HOSTS"] == "c"
-    assert values["WORKER_URLS"].split() == [f"http://a:{30001 + k}" for k in range(4)] + [f"http://b:{30001 + k}" for k in range(2)]
+def test_host_assignment_per_engine_node():
+    cfg = load_config(CONFIG, ["rollout.num_engines=4", "rollout.engine_tp_size=2"])
+    values = assign(cfg, ["a", "b", "c"], 8, engine_nodes=2)
+    assert values["ENGINE_HOSTS"] == "a b" and values["ENGINES_PER_NODE"] == "4" and values["LEARNER_HOSTS"] == "c"
+    assert values["WORKER_URLS"].split() == [f"http://{h}:{30001 + k}" for h in "ab" for k in range(4)]
+    assert values["ROUTER_URL"] == "http://a:30000" and values["MASTER_ADDR"] == "c"
     with pytest.raises(ValueError, match="no-gpus-for-learner"):
-        assign(cfg, ["a", "b"], 8)
+        assign(cfg, ["a", "b"], 8, engine_nodes=2)
