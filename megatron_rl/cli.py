@@ -42,8 +42,11 @@ def cmd_sft(args) -> int:
     from megatron_rl.runtime import load_datasets
     from megatron_rl.warm_start import ensure_warm_start
 
+    from megatron_rl.config.run import check_config_for_world
+
     cfg = _load(args)
     state.init_distributed(cfg.parallel, cfg.train.seed)
+    check_config_for_world(cfg, state.dp_size())
     run_dir = Path(cfg.run_dir)
     tokenizer, train_rows, _ = load_datasets(cfg, run_dir)
     print(ensure_warm_start(cfg, run_dir, tokenizer, train_rows))
@@ -76,12 +79,15 @@ def cmd_config(args) -> int:
 def _print_fields(model, prefix: str) -> None:
     from pydantic import BaseModel
 
+    from megatron_rl.config.base import describe_range
+
     for name, field in model.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             _print_fields(ann, f"{prefix}{name}.")
         else:
-            print(f"{prefix}{name} = {field.default!r}  # {field.description or ''}")
+            valid = describe_range(field)
+            print(f"{prefix}{name} = {field.default!r}  # {field.description or ''}" + (f" [valid: {valid}]" if valid else ""))
 
 
 def cmd_convert(args) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from megatron_rl.algo.clipper import CalibratedClipper
 from megatron_rl.config import RunConfig, dump_config
+from megatron_rl.config.run import check_config_for_world
 from megatron_rl.data.jsonl import PromptRow, read_jsonl
 from megatron_rl.parallel import state
 from megatron_rl.reward import RewardFn, get_reward_fn
@@ -154,6 +155,7 @@ def open_session(cfg: RunConfig) -> RunSession:
 
     run_dir = Path(cfg.run_dir)
     state.init_distributed(cfg.parallel, cfg.train.seed)
+    check_config_for_world(cfg, state.dp_size())
     seed_everything(cfg.train.seed)
     if cfg.rollout.engine == "external" and state.is_controller():
         check_external_rollout(cfg)

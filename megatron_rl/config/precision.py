@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from megatron_rl.config.base import StrictConfig
+from megatron_rl.config.base import NonNegativeInt, PositiveInt, StrictConfig
 
 Recipe = Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8"]
 
@@ -17,16 +17,16 @@ class PrecisionConfig(StrictConfig):
     """FP8 recipe of the learner's linear layers: none (high precision), delayed, tensorwise, blockwise, mxfp8."""
     fp8_format: Literal["e4m3", "hybrid"] = "hybrid"
     """e4m3 everywhere, or hybrid (E4M3 forward, E5M2 output gradients in backward)."""
-    first_last_layers_high_precision: int = 0
-    """Keep this many transformer layers at each end of the stack in high precision."""
+    first_last_layers_high_precision: NonNegativeInt = 0
+    """Keep this many (>= 0) transformer layers at each end of the stack in high precision."""
     fp8_params: bool = False
     """Store learner parameters in FP8 (GPU only; TE fp8_model_init / quantized_model_init)."""
-    amax_history_len: int = 1
-    """Delayed scaling: length of the amax history window (megatron default 1)."""
+    amax_history_len: PositiveInt = 1
+    """Delayed scaling: length of the amax history window (>= 1; megatron default 1)."""
     amax_compute_algo: Literal["max", "most_recent"] = "most_recent"
     """Delayed scaling: how the scale's amax is taken from the history."""
-    margin: int = 0
-    """Delayed scaling: scale = fp8_max * 2^-margin / amax."""
+    margin: NonNegativeInt = 0
+    """Delayed scaling: scale = fp8_max * 2^-margin / amax (margin >= 0)."""
     power_of_two_scales: bool = False
     """Blockwise recipe: round scales to powers of two (TE's default on GPU is True; FP32 scales when False)."""
     rollout_quantization: Literal["none", "fp8-blockwise", "fp8-channel"] = "none"
@@ -38,16 +38,10 @@ class PrecisionConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "PrecisionConfig":
-        if self.first_last_layers_high_precision < 0:
-            raise ValueError("precision.first_last_layers_high_precision must be >= 0")
         if self.recipe == "delayed" and self.first_last_layers_high_precision:
             raise ValueError("precision.first_last_layers_high_precision is not supported with recipe=delayed (as in megatron-core)")
         if self.fp8_params and self.recipe == "none":
             raise ValueError("precision.fp8_params needs an FP8 recipe (recipe is 'none')")
-        if self.margin < 0:
-            raise ValueError("precision.margin must be >= 0")
-        if self.amax_history_len < 1:
-            raise ValueError("precision.amax_history_len must be >= 1")
         return self
 
     @property
