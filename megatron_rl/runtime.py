@@ -81,20 +81,45 @@ def set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch"])
 
 
-def load_datasets(cfg: RunConfig, run_dir: Path):
-    """(tokenizer, train rows, eval rows): from files, or generated for the synthetic task into the run dir."""
-    from megatron_rl.data.prepare import prepare_task_data
-    from megatron_rl.data.tokenizer import load_tokenizer
+def needs_task_data(cfg: RunConfig) -> bool:
+    """True when some data (train/eval rows or the tokenizer) is generated for the synthetic task into the run dir."""
+    d = cfg.data
+    return d.train_file is None or d.tokenizer_dir is None or (d.eval_file is None and d.num_eval_prompts > 0)
+
+
+def check_data_paths(cfg: RunConfig) -> None:
+    """DataFileNotFoundError naming the field when a configured data file or tokenizer directory does not exist."""
+    from megatron_rl.data.jsonl import DataFileNotFoundError
 
     d = cfg.data
-    if d.train_file is None or d.tokenizer_dir is None or (d.eval_file is None and d.num_eval_prompts > 0):
-        paths = prepare_task_data(cfg.data, run_dir / "data")
-    else:
-        paths = {}
-    tokenizer = load_tokenizer(d.tokenizer_dir or paths["tokenizer"])
+    for name, path in (("data.train_file", d.train_file), ("data.eval_file", d.eval_file)):
+        if path is not None and not Path(path).is_file():
+            raise DataFileNotFoundError(f"{name}: file not found: {path}")
+    if d.tokenizer_dir is not None and not Path(d.tokenizer_dir).is_dir():
+        raise DataFileNotFoundError(f"data.tokenizer_dir: directory not found: {d.tokenizer_dir}")
+
+
+def load_datasets(cfg: RunConfig, run_dir: Path):
+    """(tokenizer, train rows, eval rows): from files, or generated for the synthetic task into the run dir.
+
+    Every row is read and encoded once here, so a missing file, a bad line or a character outside the
+    tokenizer's vocabulary is a DataFormatError naming the config field or file:line before any work.
+    """
+    from megatron_rl.data.jsonl import DataFormatError
+    from megatron_rl.data.prepare import prepare_task_data
+    from megatron_rl.data.tokenizer import check_encodable, load_tokenizer
+
+    d = cfg.data
+    check_data_paths(cfg)
+    paths = prepare_task_data(cfg.data, run_dir / "data") if needs_task_data(cfg) else {}
+    try:
+        tokenizer = load_tokenizer(d.tokenizer_dir or paths["tokenizer"])
+    except (OSError, ValueError) as exc:
+        raise DataFormatError(f"data.tokenizer_dir: {exc}") from None
     train = read_jsonl(d.train_file or paths["train"])
     eval_path = d.eval_file or paths.get("eval")
     evals = read_jsonl(eval_path) if eval_path else []
+    check_encodable(tokenizer, train + evals)
     return tokenizer, train, evals
 
 
@@ -154,6 +179,9 @@ def open_session(cfg: RunConfig) -> RunSession:
     from megatron_rl.warm_start import ensure_warm_start, initialize_learner
 
     run_dir = Path(cfg.run_dir)
+    # The user's data files are read and checked before any distributed or model work (errors within seconds).
+    check_data_paths(cfg)
+    given_data = None if needs_task_data(cfg) else load_datasets(cfg, run_dir)
     state.init_distributed(cfg.parallel, cfg.train.seed)
     check_config_for_world(cfg, state.dp_size())
     seed_everything(cfg.train.seed)
@@ -162,7 +190,7 @@ def open_session(cfg: RunConfig) -> RunSession:
     if state.is_controller():
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, run_dir / "config.yaml")
-    tokenizer, train_rows, eval_rows = _controller_first(lambda: load_datasets(cfg, run_dir))
+    tokenizer, train_rows, eval_rows = given_data or _controller_first(lambda: load_datasets(cfg, run_dir))
     hf_dir = ensure_warm_start(cfg, run_dir, tokenizer, train_rows)
     total = cfg.train.steps * cfg.train.num_minibatches * cfg.train.ppo_epochs
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=len(tokenizer),
