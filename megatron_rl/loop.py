@@ -22,19 +22,6 @@ from megatron_rl.tracking import MetricsWriter, Timers
 from megatron_rl.tracking.report import Progress, print_summary
 
 
-def prompts_for_step(session: RunSession, step: int):
-    """The step's prompts: consecutive slices of a per-epoch seeded shuffle (resume-safe)."""
-    rows, per_step = session.train_rows, session.cfg.train.prompts_per_step
-    perms: dict[int, torch.Tensor] = {}
-    out = []
-    for k in range(step * per_step, (step + 1) * per_step):
-        epoch, offset = divmod(k, len(rows))
-        if epoch not in perms:
-            perms[epoch] = torch.randperm(len(rows), generator=torch.Generator().manual_seed(session.cfg.data.seed + epoch))
-        out.append(rows[int(perms[epoch][offset])])
-    return out
-
-
 def evaluate(session: RunSession) -> float:
     """Held-out greedy accuracy through the rollout engines (controller; nan elsewhere)."""
     if not state.is_controller():
@@ -45,15 +32,19 @@ def evaluate(session: RunSession) -> float:
 
 
 def controller_rollout(session: RunSession, step: int, timers: Timers):
-    """Controller: generate, score, compute advantages, pad into the step's TrainBatch."""
+    """Controller: generate and score groups (DAPO dynamic sampling: until the step holds train.prompts_per_step
+    groups with reward spread), compute advantages, pad into the step's TrainBatch."""
     cfg = session.cfg
-    with timers("rollout"):
-        samples = rollout.generate_samples(session.client, session.tokenizer, prompts_for_step(session, step),
-                                           cfg.rollout, seed=cfg.rollout.seed * 1_000_003 + step)
-    with timers("reward"):
-        metrics = {**samples.stats, **reward.score(samples, session.reward_fn, cfg.algo, cfg.rollout.sampling.max_new_tokens)}
+    groups = reward.GroupCollector(cfg.train.prompts_per_step, cfg.algo.dapo)
+    while groups.needs_more():
+        with timers("rollout"):
+            samples = rollout.generate_samples(session.client, session.tokenizer, session.prompts.take(cfg.train.prompts_per_step),
+                                               cfg.rollout, seed=rollout.round_seed(cfg.rollout.seed, step, groups.rounds))
+        with timers("reward"):
+            groups.add(samples, reward.score(samples, session.reward_fn, cfg.algo, cfg.rollout.sampling.max_new_tokens))
+    samples, metrics = groups.result()
     with timers("advantages"):
-        adv, _, adv_metrics = reward.advantages(samples, cfg.algo)
+        adv, adv_metrics = reward.advantages(samples, cfg.algo)
         batch = batching.build_train_batch(samples.samples, adv, session.tokenizer.pad_token_id,
                                            batching.seq_multiple(cfg.parallel), session.learner.arch.max_seq_len)
     return batch, {**metrics, **adv_metrics}, samples.samples[: cfg.tracking.log_samples]
@@ -73,7 +64,7 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
             clipper.begin_step(step)
         for epoch in range(cfg.train.ppo_epochs):
             for k, mb in enumerate(batching.minibatches(batch, cfg.train.num_minibatches, seed=cfg.train.seed * 7919 + step * 31 + epoch)):
-                mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode), state.dp_rank(), state.dp_size())
+                mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode, batching.agg_max_len(cfg)), state.dp_rank(), state.dp_size())
                 on_policy = epoch == 0 and k == 0
                 if calibrating and not on_policy:
                     mb = mb.with_fields(logprobs_hp=logprobs.current_logprobs_hp(learner, mb, cfg.train.micro_batch_size))

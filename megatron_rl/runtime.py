@@ -19,6 +19,7 @@ from megatron_rl.config import RunConfig, dump_config
 from megatron_rl.config.run import check_config_for_world
 from megatron_rl.data.jsonl import PromptRow, read_jsonl
 from megatron_rl.parallel import state
+from megatron_rl.phases.rollout import PromptStream
 from megatron_rl.reward import RewardFn, get_reward_fn
 
 
@@ -56,6 +57,8 @@ class RunSession:
     """First step to run (> 0 when resumed)."""
     rl_state: dict = field(default_factory=dict)
     """Restored RL state (eval before RL, etc.)."""
+    prompts: Any = None
+    """PromptStream of the training prompts (its cursor is checkpointed)."""
 
     def close(self) -> None:
         """Stop engines."""
@@ -197,7 +200,8 @@ def open_session(cfg: RunConfig) -> RunSession:
                       seed=cfg.train.seed, total_steps=total)
     hf_dir = initialize_learner(learner, hf_dir, tokenizer, run_dir)
     session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
-                         reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir)
+                         reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir,
+                         prompts=PromptStream(train_rows, cfg.data.seed))
     if cfg.algo.kl.coef > 0:
         from megatron_rl.phases.logprobs import ReferencePolicy
 
@@ -236,6 +240,8 @@ def _maybe_resume(session: RunSession) -> None:
         return
     rl_state = load_checkpoint(session.learner, path)
     session.start_step = int(rl_state["step"]) + 1
+    # checkpoints from before DAPO refills advanced the cursor by exactly prompts_per_step per step
+    session.prompts.cursor = int(rl_state.get("prompt_cursor", session.start_step * session.cfg.train.prompts_per_step))
     if session.clipper is not None and rl_state.get("clipper") is not None:
         session.clipper.load_state_dict(rl_state["clipper"])
     # load_checkpoint restores per-rank RNG under the same layout; the controller's python/torch
@@ -251,5 +257,6 @@ def save(session: RunSession, step: int, extra: dict) -> None:
     """Checkpoint model, optimizer and RL state after `step`."""
     from megatron_rl.trainer.checkpoint import save_checkpoint
 
-    rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None, **extra}
+    rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None,
+                "prompt_cursor": session.prompts.cursor, **extra}
     save_checkpoint(session.learner, checkpoint_root(session), step, rl_state, keep_last=session.cfg.checkpoint.keep_last)

@@ -53,6 +53,11 @@ def minibatches(batch: TrainBatch, num_minibatches: int, seed: int) -> list[Trai
     return [batch.select(perm[k * size:(k + 1) * size]) for k in range(num_minibatches)]
 
 
+def agg_max_len(cfg) -> int:
+    """The constant normaliser of the seq-mean-token-sum-norm (Dr.GRPO) aggregation: the configured one or the generation budget."""
+    return cfg.algo.policy_loss.max_response_length or cfg.rollout.sampling.max_new_tokens
+
+
 def with_token_weights(batch: TrainBatch, mode: str, max_response_length: int | None = None) -> TrainBatch:
     """Attach aggregation weights computed over the whole (global) mini-batch."""
     tokens, seqs = count_tokens_and_seqs(batch.loss_mask)
