@@ -144,6 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     from megatron_rl.config import ConfigError
     from megatron_rl.data.jsonl import DataFormatError
+    from megatron_rl.phases.health import TrainingHealthError
+    from megatron_rl.phases.reward import DynamicSamplingError
     from megatron_rl.rollout.client import RolloutServerError
     from megatron_rl.rollout.launcher import LaunchError
 
@@ -152,6 +154,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, DataFormatError, RolloutServerError, LaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (TrainingHealthError, DynamicSamplingError) as exc:  # the run stopped itself (exit 3)
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ from megatron_rl.algo.metrics import add_sums, finalize_metrics
 from megatron_rl.config import RunConfig
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import broadcast_from_controller, reduce_loss_sums
-from megatron_rl.phases import batching, logprobs, reward, rollout, weights
+from megatron_rl.phases import batching, health, logprobs, reward, rollout, weights
 from megatron_rl.phases.loss import RLLoss, with_sequence_rollout_weights
-from megatron_rl.runtime import RunSession, open_session, save
+from megatron_rl.runtime import RunSession, checkpoint_root, open_session, save
 from megatron_rl.tracking import MetricsWriter, Timers
 from megatron_rl.tracking.report import Progress, print_summary
 
@@ -93,23 +93,32 @@ def run(cfg: RunConfig) -> dict:
         weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step)
         eval_before = session.rl_state.get("eval_before", evaluate(session)) if session.start_step else evaluate(session)
         progress = Progress(cfg.train.steps, session.start_step, enabled=is_controller and cfg.tracking.progress_bar)
+        verdict = health.Verdict(ok=True)
         for step in range(session.start_step, cfg.train.steps):
             batch, metrics, shown = controller_rollout(session, step, timers) if is_controller else (None, {}, [])
             batch = broadcast_from_controller(batch)
             metrics.update(train_on_batch(session, batch, step, timers))
-            with timers("weight_sync"):
-                metrics.update(weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=step + 1))
+            with timers("health"):
+                verdict = session.health.check(session.learner, batch, cfg.train.micro_batch_size, metrics, step,
+                                               checkpoint_root(session))
+                metrics.update(verdict.metrics)
+            if verdict.ok:  # an unhealthy step's weights never reach the engines
+                with timers("weight_sync"):
+                    metrics.update(weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=step + 1))
             if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
                 metrics["accuracy/eval"] = evaluate(session)
             metrics.update(timers.pop())
             if is_controller:
                 writer.write(step, {**metrics, "samples": [s.response_text for s in shown]})
                 progress.update(metrics)
-            if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 and step + 1 < cfg.train.steps:
+            if verdict.stop:
+                raise health.TrainingHealthError(verdict.stop)
+            if verdict.ok and cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 and step + 1 < cfg.train.steps:
                 save(session, step, {"eval_before": eval_before})
         progress.close()
         eval_after = evaluate(session)
-        save(session, cfg.train.steps - 1, {"eval_before": eval_before, "eval_after": eval_after})
+        if verdict.ok:  # the last step's weights passed the health checks
+            save(session, cfg.train.steps - 1, {"eval_before": eval_before, "eval_after": eval_after})
         if not is_controller:
             return {}
         writer.close()

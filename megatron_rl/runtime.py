@@ -19,6 +19,7 @@ from megatron_rl.config import RunConfig, dump_config
 from megatron_rl.config.run import check_config_for_world
 from megatron_rl.data.jsonl import PromptRow, read_jsonl
 from megatron_rl.parallel import state
+from megatron_rl.phases.health import HealthGuard
 from megatron_rl.phases.rollout import PromptStream
 from megatron_rl.reward import RewardFn, get_reward_fn
 
@@ -59,6 +60,8 @@ class RunSession:
     """Restored RL state (eval before RL, etc.)."""
     prompts: Any = None
     """PromptStream of the training prompts (its cursor is checkpointed)."""
+    health: Any = None
+    """HealthGuard of the run (its counters are checkpointed)."""
 
     def close(self) -> None:
         """Stop engines."""
@@ -201,7 +204,8 @@ def open_session(cfg: RunConfig) -> RunSession:
     hf_dir = initialize_learner(learner, hf_dir, tokenizer, run_dir)
     session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                          reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir,
-                         prompts=PromptStream(train_rows, cfg.data.seed))
+                         prompts=PromptStream(train_rows, cfg.data.seed),
+                         health=HealthGuard(cfg.train.health, learner.arch.vocab_size, cfg.train.ppo_epochs * cfg.train.num_minibatches))
     if cfg.algo.kl.coef > 0:
         from megatron_rl.phases.logprobs import ReferencePolicy
 
@@ -242,6 +246,8 @@ def _maybe_resume(session: RunSession) -> None:
     session.start_step = int(rl_state["step"]) + 1
     # checkpoints from before DAPO refills advanced the cursor by exactly prompts_per_step per step
     session.prompts.cursor = int(rl_state.get("prompt_cursor", session.start_step * session.cfg.train.prompts_per_step))
+    if rl_state.get("health") is not None:
+        session.health.load_state_dict(rl_state["health"])
     if session.clipper is not None and rl_state.get("clipper") is not None:
         session.clipper.load_state_dict(rl_state["clipper"])
     # load_checkpoint restores per-rank RNG under the same layout; the controller's python/torch
@@ -258,5 +264,5 @@ def save(session: RunSession, step: int, extra: dict) -> None:
     from megatron_rl.trainer.checkpoint import save_checkpoint
 
     rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None,
-                "prompt_cursor": session.prompts.cursor, **extra}
+                "prompt_cursor": session.prompts.cursor, "health": session.health.state_dict(), **extra}
     save_checkpoint(session.learner, checkpoint_root(session), step, rl_state, keep_last=session.cfg.checkpoint.keep_last)

@@ -89,6 +89,8 @@ def config_errors(cfg: RunConfig, dp_size: int) -> list[str]:
     if cfg.algo.dapo.overlong_buffer and cfg.algo.dapo.overlong_buffer >= lmax:
         out.append(f"algo.dapo.overlong_buffer ({cfg.algo.dapo.overlong_buffer}) must be smaller than "
                    f"algo.dapo.max_response_length or rollout.sampling.max_new_tokens ({lmax})")
+    if cfg.algo.dapo.dynamic_sampling and cfg.rollout.n_samples_per_prompt < 2:
+        out.append("algo.dapo.dynamic_sampling keeps groups whose rewards differ, which needs rollout.n_samples_per_prompt >= 2")
     if t.health.max_kl_ref is not None and cfg.algo.kl.coef == 0:
         out.append("train.health.max_kl_ref needs the reference policy: set algo.kl.coef > 0 or unset train.health.max_kl_ref")
     return out

@@ -131,4 +131,4 @@ def advantages(batch: RolloutBatch, algo: AlgoConfig) -> tuple[torch.Tensor, dic
     rewards = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)
     a = algo.advantage
     adv = compute_advantages(rewards, batch.n_per_prompt, a.estimator, std_eps=a.std_eps, unbiased_std=a.unbiased_std)
-    return adv, {"adv/abs_mean": float(adv.abs().mean())}
+    return adv, {"adv/abs_mean": float(adv.abs().mean()), "adv/zero_frac": float((adv == 0).float().mean())}
