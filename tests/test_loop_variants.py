@@ -26,7 +26,9 @@ def runs(tmp_path_factory) -> Path:
     """OUT dir holding one run directory (and result file) per case."""
     warm = warm_start(tmp_path_factory)
     out = tmp_path_factory.mktemp("variants")
-    cases = [f"agg_{m}:algo.policy_loss.agg_mode={m}" for m in AGG] + [f"dapo:{DAPO}", "nan:train.steps=3"]
+    cases = [f"agg_{m}:algo.policy_loss.agg_mode={m}" for m in AGG] + [f"dapo:{DAPO}", "nan:train.steps=3",
+                                                                        "overflow:optim.lr=1e20,train.steps=5",
+                                                                        "collapse:optim.lr=1e3,train.steps=3"]
     proc = subprocess.run([sys.executable, str(WORKER), str(warm), str(out), *cases], env=cli_env(), capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -79,3 +81,28 @@ def test_nan_mid_run_skips_the_step_and_the_run_continues(runs):
     assert rows[2]["rollout/weight_version"] == 1
     assert "sync/bytes" not in rows[1] and "sync/bytes" in rows[2]
     assert [step for step, _ in list_checkpoints(runs / "nan" / "checkpoints")] == [0, 2]
+
+
+def _stopped(runs: Path, name: str) -> tuple[str, list[dict]]:
+    result = json.loads((runs / f"{name}.result.json").read_text())
+    assert "error" in result, f"{name} was meant to stop: {result}"
+    return result["error"], read_rows(runs / name)
+
+
+@pytest.mark.slow
+def test_overflowing_lr_never_syncs_broken_weights_and_stops_after_consecutive_skips(runs):
+    error, rows = _stopped(runs, "overflow")
+    assert error.startswith("TrainingHealthError: training stopped at step 2: 3 consecutive steps")
+    assert "train.health.max_consecutive_skips=3" in error and "newest checkpoint: none" in error
+    assert [r["health/step_skipped"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(r["rollout/weight_version"] == 0 for r in rows)  # the engine kept the warm start's weights
+    assert not list_checkpoints(runs / "overflow" / "checkpoints")
+
+
+@pytest.mark.slow
+def test_policy_collapsed_to_uniform_is_caught_before_its_weights_leave(runs):
+    error, rows = _stopped(runs, "collapse")
+    assert "train.health.max_entropy_frac=0.9" in error and "the policy collapsed" in error
+    last = rows[-1]
+    assert last["health/entropy_frac"] > 0.9 and last["health/step_skipped"] == 0.0 and "sync/bytes" not in last
+    assert [step for step, _ in list_checkpoints(runs / "collapse" / "checkpoints")] == list(range(len(rows) - 1))
