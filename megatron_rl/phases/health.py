@@ -62,10 +62,14 @@ class HealthGuard:
 
     # ------------------------------------------------------------------ checks
     def probe(self, learner, batch: TrainBatch, micro_batch_size: int) -> dict[str, float]:
-        """Entropy and non-finite fraction of the updated policy's tokens on one micro-batch per DP rank (collective)."""
+        """Entropy and non-finite fraction of the updated policy's tokens on one micro-batch per DP rank (collective).
+
+        The probed rows are the batch's first DP x micro_batch_size rows, the same set under any layout
+        with the same global micro-batch, so the metric matches a single-process run.
+        """
         vpp = learner.parallel_cfg.virtual_pipeline_model_parallel_size
         rows = micro_batch_size * (state.pp_size() if vpp else 1)  # the interleaved schedule needs PP micro-batches
-        shard = dp_shard(batch, state.dp_rank(), state.dp_size()).select(slice(0, rows))
+        shard = dp_shard(batch.select(slice(0, rows * state.dp_size())), state.dp_rank(), state.dp_size())
         lp, ent = learner.forward_logprobs(shard, micro_batch_size)
         mask = shard.loss_mask > 0
         finite = torch.isfinite(lp) & torch.isfinite(ent)
