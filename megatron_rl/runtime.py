@@ -182,14 +182,14 @@ def check_external_rollout(cfg: RunConfig) -> None:
 def open_session(cfg: RunConfig) -> RunSession:
     """Build the whole run; resumes from the newest checkpoint of run_dir when cfg.checkpoint.resume."""
     from megatron_rl.trainer.learner import Learner
-    from megatron_rl.warm_start import ensure_warm_start, initialize_learner
+    from megatron_rl.warm_start import ensure_warm_start, initialize_learner, needs_warm_start
 
     run_dir = Path(cfg.run_dir)
     # The user's data files are read and checked before any distributed or model work (errors within seconds).
     check_data_paths(cfg)
     given_data = None if needs_task_data(cfg) else load_datasets(cfg, run_dir)
     state.init_distributed(cfg.parallel, cfg.train.seed)
-    check_config_for_world(cfg, state.dp_size())
+    check_config_for_world(cfg, state.dp_size(), sft=needs_warm_start(cfg, run_dir))
     seed_everything(cfg.train.seed)
     if cfg.rollout.engine == "external" and state.is_controller():
         check_external_rollout(cfg)

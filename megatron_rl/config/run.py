@@ -63,11 +63,12 @@ class RunConfig(StrictConfig):
         return self
 
 
-def config_errors(cfg: RunConfig, dp_size: int) -> list[str]:
+def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True) -> list[str]:
     """Cross-section problems of `cfg` for a data-parallel size, each naming its dotted fields ([] when usable).
 
     Load time checks DP = 1 (the world size is not known yet); the run checks again with the real
-    DP size right after the process groups exist, before any data or model work.
+    DP size right after the process groups exist, before any data or model work (`sft=False` when
+    the supervised warm start will not run, so its batch geometry does not matter).
     """
     t, s, p = cfg.train, cfg.sft, cfg.parallel
     out = []
@@ -82,7 +83,7 @@ def config_errors(cfg: RunConfig, dp_size: int) -> list[str]:
                    f"rollout.n_samples_per_prompt / (DP {dp_size} * train.num_minibatches * train.micro_batch_size)) "
                    f"is fewer than parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size}, which the "
                    "interleaved schedule (parallel.virtual_pipeline_model_parallel_size) needs")
-    if s.global_batch_size % (dp_size * s.micro_batch_size):
+    if sft and s.global_batch_size % (dp_size * s.micro_batch_size):
         out.append(f"sft.global_batch_size ({s.global_batch_size}) must be divisible by data-parallel size ({dp_size}) "
                    f"* sft.micro_batch_size ({s.micro_batch_size})")
     lmax = cfg.algo.dapo.max_response_length or cfg.rollout.sampling.max_new_tokens
@@ -96,9 +97,9 @@ def config_errors(cfg: RunConfig, dp_size: int) -> list[str]:
     return out
 
 
-def check_config_for_world(cfg: RunConfig, dp_size: int) -> None:
-    """Raise ConfigError (naming the fields) when `cfg` cannot run with `dp_size` data-parallel ranks."""
-    errors = config_errors(cfg, dp_size)
+def check_config_for_world(cfg: RunConfig, dp_size: int, sft: bool = True) -> None:
+    """Raise ConfigError (naming the fields) when `cfg` cannot run with `dp_size` data-parallel ranks (and the warm start when `sft`)."""
+    errors = config_errors(cfg, dp_size, sft)
     if errors:
         raise ConfigError(f"invalid config for data-parallel size {dp_size}: " + "; ".join(errors))
 
