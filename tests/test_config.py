@@ -149,7 +149,7 @@ def test_batch_geometry_is_checked_again_for_the_real_dp_size():
     for name in ("train.prompts_per_step", "rollout.n_samples_per_prompt", "train.num_minibatches",
                  "train.micro_batch_size", "data-parallel size (2)"):
         assert name in str(exc.value)
-    rl_fits = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prompts_per_step": 8})})
+    rl_fits = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prompts_per_step": 16})})
     with pytest.raises(ConfigError, match=r"sft\.global_batch_size \(8\) must be divisible by data-parallel size \(4\)"):
         check_config_for_world(rl_fits, 4)
     check_config_for_world(rl_fits, 4, sft=False)  # a run that reuses a warm start never splits the SFT batch
