@@ -19,6 +19,7 @@ Manager lives for the whole run, far longer. Run by hand: python megatron_rl/chi
 """
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -37,6 +38,22 @@ def ensure_reaper() -> None:
         return
     _REAPER = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid()), str(POLL_S)],
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    # on a normal exit Python's own handlers stop megatron's Manager: the watchdog is not needed then
+    atexit.unregister(stop_reaper)
+    atexit.register(stop_reaper)
+
+
+def stop_reaper() -> None:
+    """Stop this process's reaper (e.g. before a check for leftover child processes); a later save starts a new one."""
+    global _REAPER
+    if _REAPER is not None and _REAPER.poll() is None:
+        _REAPER.terminate()
+        try:
+            _REAPER.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            _REAPER.kill()
+            _REAPER.wait()
+    _REAPER = None
 
 
 def reaper_pid() -> Optional[int]:
