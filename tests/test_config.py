@@ -160,3 +160,14 @@ def test_cli_config_rejects_a_bad_value_by_name():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "optim.lr: Input should be greater than 0 (got -1)" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_api_key_is_redacted_in_the_run_record(tmp_path):
+    """config.yaml is copied and shared with run directories: the rollout API key never reaches it."""
+    from megatron_rl.config import dump_config, load_config
+
+    cfg = load_config(None, ["rollout.api_key=s3cret-token"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    assert "s3cret-token" not in text and "api_key: <redacted>" in text
+    assert cfg.rollout.api_key == "s3cret-token"
