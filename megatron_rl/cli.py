@@ -11,6 +11,7 @@
     megatron-rl convert hf-to-fp8 HF FP8 | megatron-to-fp8 MG FP8   # FP8 blockwise HF checkpoint for SGLang
     megatron-rl plan CONFIG --nodes N [--gpus-per-node G] [--gpu h100|h200|b200]   # check + estimate a layout
     megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
+    megatron-rl study SPEC.yaml [--report-only]   # arms x seeds from one warm start -> RESULTS.md + plots
 """
 from __future__ import annotations
 
@@ -45,8 +46,11 @@ def cmd_sft(args) -> int:
     from megatron_rl.runtime import load_datasets
     from megatron_rl.warm_start import ensure_warm_start
 
+    from megatron_rl.config.run import check_config_for_world
+
     cfg = _load(args)
     state.init_distributed(cfg.parallel, cfg.train.seed)
+    check_config_for_world(cfg, state.dp_size())
     run_dir = Path(cfg.run_dir)
     tokenizer, train_rows, _ = load_datasets(cfg, run_dir)
     print(ensure_warm_start(cfg, run_dir, tokenizer, train_rows))
@@ -79,12 +83,15 @@ def cmd_config(args) -> int:
 def _print_fields(model, prefix: str) -> None:
     from pydantic import BaseModel
 
+    from megatron_rl.config.base import describe_range
+
     for name, field in model.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             _print_fields(ann, f"{prefix}{name}.")
         else:
-            print(f"{prefix}{name} = {field.default!r}  # {field.description or ''}")
+            valid = describe_range(field)
+            print(f"{prefix}{name} = {field.default!r}  # {field.description or ''}" + (f" [valid: {valid}]" if valid else ""))
 
 
 def cmd_engines(args) -> int:
@@ -139,6 +146,15 @@ def cmd_plan(args) -> int:
     return run(_load(args), args, title=args.config or "")
 
 
+def cmd_study(args) -> int:
+    """Arms x seeds of RL runs from one shared warm start, one after another (resumable), then RESULTS.md and plots."""
+    from megatron_rl.study import load_study
+    from megatron_rl.study.runner import run_study
+
+    failed = run_study(load_study(args.spec), report_only=args.report_only)
+    return 1 if failed else 0
+
+
 def _quiet_known_upstream_warnings() -> None:
     """Silence megatron-core's import-time notices about TE/Apex fallbacks (expected on CPU, noise in the job's output)."""
     import warnings
@@ -182,24 +198,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the parallel layout (model.* is checked)")
     p.add_argument("overrides", nargs="*", help="hf-to-megatron: dotted.key=value overrides of --config")
     p.set_defaults(fn=cmd_convert)
+<<<<<<< HEAD
     p = sub.add_parser("plan", help=cmd_plan.__doc__)
     _add_config_args(p)
     from megatron_rl.plan.report import add_arguments
 
     add_arguments(p)
     p.set_defaults(fn=cmd_plan)
+=======
+    p = sub.add_parser("study", help=cmd_study.__doc__)
+    p.add_argument("spec", help="study spec YAML (see examples/studies/)")
+    p.add_argument("--report-only", action="store_true", help="only rewrite RESULTS.md and the plots from the runs on disk")
+    p.set_defaults(fn=cmd_study)
+>>>>>>> main
     sub.add_parser("serve", help="embedded SGLang-protocol rollout server (see --help after 'serve')")
     args = parser.parse_args(argv)
     from megatron_rl.config import ConfigError
     from megatron_rl.data.jsonl import DataFormatError
+    from megatron_rl.phases.health import TrainingHealthError
+    from megatron_rl.phases.reward import DynamicSamplingError
     from megatron_rl.rollout.client import RolloutServerError
     from megatron_rl.rollout.launcher import LaunchError
+    from megatron_rl.study.spec import StudyError
 
     try:
         return args.fn(args)
-    except (ConfigError, DataFormatError, RolloutServerError, LaunchError) as exc:
+    except (ConfigError, DataFormatError, RolloutServerError, LaunchError, StudyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (TrainingHealthError, DynamicSamplingError) as exc:  # the run stopped itself (exit 3)
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

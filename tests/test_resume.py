@@ -94,14 +94,24 @@ def test_sigkill_during_training_step_resumes_exactly(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_during_checkpoint_write_resumes_from_previous(setup, tmp_path):
+def test_sigkill_during_checkpoint_write_leaves_no_child_and_resumes_from_previous(setup, tmp_path):
     overrides, reference = setup
     from megatron_rl.trainer.checkpoint import latest_checkpoint, step_dir_name
 
     run_dir = tmp_path / "killed_in_save"
-    proc, _ = _run_until_paused(run_dir, overrides, f"checkpoint:{KILL_STEP}")
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group, engine included
+    proc, paused = _run_until_paused(run_dir, overrides, f"checkpoint:{KILL_STEP}")
+    children = dict(paused["children"])
+    # megatron's checkpoint writer keeps a spawn Manager (and a resource tracker) alive: the kill must not orphan them
+    assert any("multiprocessing" in cmd for cmd in children.values()), children
+    os.kill(paused["pid"], signal.SIGKILL)  # the trainer alone: none of its exit handlers run
     proc.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = {p: cmd for p, cmd in children.items() if _alive(p)}
+    for p in survivors:
+        os.kill(p, signal.SIGKILL)
+    assert not survivors, f"children outlived their SIGKILLed trainer: {survivors}"
     ckpts = run_dir / "checkpoints"
     assert (ckpts / f".tmp_step_{KILL_STEP}").exists(), "the kill was meant to land inside the write"
     assert latest_checkpoint(str(ckpts)) == str(ckpts / step_dir_name(KILL_STEP - 1))

@@ -15,6 +15,10 @@ from megatron_rl.plan.launch import assign
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "configs" / "qwen3_8b_fp8_grpo.yaml"
 STUB = """#!/usr/bin/env bash
+if [ "$(basename "$0")" = curl ]; then
+  # like real engines, /health answers only once the engine and router steps have started
+  for _ in $(seq 600); do grep -q ' engines ' "$STUB_LOG" && grep -q launch_router "$STUB_LOG" && break; sleep 0.1; done
+fi
 printf '%s' "$(basename "$0")" >> "$STUB_LOG"
 for a in "$@"; do printf ' %s' "$a" >> "$STUB_LOG"; done
 printf '\\n' >> "$STUB_LOG"

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import model_validator
-
-from megatron_rl.config.base import StrictConfig
+from megatron_rl.config.base import NonNegativeInt, PositiveInt, Seed, StrictConfig
 
 
 class DataConfig(StrictConfig):
@@ -27,16 +25,17 @@ class DataConfig(StrictConfig):
     """HF tokenizer directory; None builds the character tokenizer into the run dir."""
     task: str = "addition"
     """Synthetic task used when files are not given (megatron_rl.data.tasks registry)."""
-    task_options: dict[str, int] = {"min_digits": 1, "max_digits": 2}
-    """Options of the synthetic task generator."""
-    num_train_prompts: int = 8000
-    """Generated training prompts (synthetic task only)."""
-    num_eval_prompts: int = 200
-    """Generated held-out prompts (synthetic task only; disjoint from training)."""
+    task_options: dict[str, NonNegativeInt] = {"min_digits": 1, "max_digits": 2}
+    """Options of the synthetic task generator (ints >= 0)."""
+    num_train_prompts: PositiveInt = 8000
+    """Generated training prompts (>= 1; synthetic task only)."""
+    num_eval_prompts: NonNegativeInt = 200
+    """Generated held-out prompts (>= 0; synthetic task only; disjoint from training)."""
     reward: str = "exact_match"
     """Reward function name (megatron_rl.reward registry)."""
-    seed: int = 1234
+    seed: Seed = 1234
     """Seed of data generation and prompt shuffling."""
+<<<<<<< HEAD
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
@@ -48,3 +47,5 @@ class DataConfig(StrictConfig):
             if not getattr(self, name) or any(not part for part in getattr(self, name).split(".")):
                 raise ValueError(f"data.{name} must be a dotted path with non-empty parts, got {getattr(self, name)!r}")
         return self
+=======
+>>>>>>> main

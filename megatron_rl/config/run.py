@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import yaml
-from pydantic import ValidationError
+from pydantic import ValidationError, model_validator
 
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.config.base import StrictConfig
@@ -56,15 +56,63 @@ class RunConfig(StrictConfig):
     tracking: TrackingConfig = TrackingConfig()
     """Metrics outputs."""
 
+    @model_validator(mode="after")
+    def _check_across_sections(self) -> "RunConfig":
+        for message in config_errors(self, dp_size=1):
+            raise ValueError(message)
+        return self
+
+
+def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True) -> list[str]:
+    """Cross-section problems of `cfg` for a data-parallel size, each naming its dotted fields ([] when usable).
+
+    Load time checks DP = 1 (the world size is not known yet); the run checks again with the real
+    DP size right after the process groups exist, before any data or model work (`sft=False` when
+    the supervised warm start will not run, so its batch geometry does not matter).
+    """
+    t, s, p = cfg.train, cfg.sft, cfg.parallel
+    out = []
+    rows = t.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    unit = dp_size * t.num_minibatches * t.micro_batch_size
+    if rows % unit:
+        out.append(f"train.prompts_per_step * rollout.n_samples_per_prompt = {rows} samples must be divisible by "
+                   f"data-parallel size ({dp_size}) * train.num_minibatches ({t.num_minibatches}) * "
+                   f"train.micro_batch_size ({t.micro_batch_size}) = {unit}")
+    elif p.virtual_pipeline_model_parallel_size and rows // unit < p.pipeline_model_parallel_size:
+        out.append(f"{rows // unit} micro-batches per mini-batch and data-parallel rank (train.prompts_per_step * "
+                   f"rollout.n_samples_per_prompt / (DP {dp_size} * train.num_minibatches * train.micro_batch_size)) "
+                   f"is fewer than parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size}, which the "
+                   "interleaved schedule (parallel.virtual_pipeline_model_parallel_size) needs")
+    if sft and s.global_batch_size % (dp_size * s.micro_batch_size):
+        out.append(f"sft.global_batch_size ({s.global_batch_size}) must be divisible by data-parallel size ({dp_size}) "
+                   f"* sft.micro_batch_size ({s.micro_batch_size})")
+    lmax = cfg.algo.dapo.max_response_length or cfg.rollout.sampling.max_new_tokens
+    if cfg.algo.dapo.overlong_buffer and cfg.algo.dapo.overlong_buffer >= lmax:
+        out.append(f"algo.dapo.overlong_buffer ({cfg.algo.dapo.overlong_buffer}) must be smaller than "
+                   f"algo.dapo.max_response_length or rollout.sampling.max_new_tokens ({lmax})")
+    if cfg.algo.dapo.dynamic_sampling and cfg.rollout.n_samples_per_prompt < 2:
+        out.append("algo.dapo.dynamic_sampling keeps groups whose rewards differ, which needs rollout.n_samples_per_prompt >= 2")
+    if t.health.max_kl_ref is not None and cfg.algo.kl.coef == 0:
+        out.append("train.health.max_kl_ref needs the reference policy: set algo.kl.coef > 0 or unset train.health.max_kl_ref")
+    return out
+
+
+def check_config_for_world(cfg: RunConfig, dp_size: int, sft: bool = True) -> None:
+    """Raise ConfigError (naming the fields) when `cfg` cannot run with `dp_size` data-parallel ranks (and the warm start when `sft`)."""
+    errors = config_errors(cfg, dp_size, sft)
+    if errors:
+        raise ConfigError(f"invalid config for data-parallel size {dp_size}: " + "; ".join(errors))
+
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        msg = err["msg"]
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and not isinstance(err["input"], dict) else ""))
+        got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and not isinstance(err["input"], dict) else ""
+        lines.append((f"  {loc}: {msg}" if loc else f"  {msg}") + got)
     return f"invalid config ({source}):\n" + "\n".join(lines)
 
 
@@ -131,6 +179,19 @@ def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()
         raise ConfigError(_format_validation_error(exc, source)) from None
 
 
+SECRET_FIELDS = (("rollout", "api_key"),)
+"""Dotted fields whose values never reach a file: run directories get copied and shared."""
+
+
+def config_record(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain data, secrets replaced by '<redacted>' (what config.yaml holds)."""
+    tree = cfg.model_dump(mode="json")
+    for section, key in SECRET_FIELDS:
+        if tree.get(section, {}).get(key) is not None:
+            tree[section][key] = "<redacted>"
+    return tree
+
+
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the fully resolved config as YAML (the run's record of what it ran)."""
-    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    """Write the fully resolved config as YAML (the run's record of what it ran; secrets redacted)."""
+    Path(path).write_text(yaml.safe_dump(config_record(cfg), sort_keys=False))
