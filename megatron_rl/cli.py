@@ -198,19 +198,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the parallel layout (model.* is checked)")
     p.add_argument("overrides", nargs="*", help="hf-to-megatron: dotted.key=value overrides of --config")
     p.set_defaults(fn=cmd_convert)
-<<<<<<< HEAD
     p = sub.add_parser("plan", help=cmd_plan.__doc__)
     _add_config_args(p)
     from megatron_rl.plan.report import add_arguments
 
     add_arguments(p)
     p.set_defaults(fn=cmd_plan)
-=======
     p = sub.add_parser("study", help=cmd_study.__doc__)
     p.add_argument("spec", help="study spec YAML (see examples/studies/)")
     p.add_argument("--report-only", action="store_true", help="only rewrite RESULTS.md and the plots from the runs on disk")
     p.set_defaults(fn=cmd_study)
->>>>>>> main
     sub.add_parser("serve", help="embedded SGLang-protocol rollout server (see --help after 'serve')")
     args = parser.parse_args(argv)
     from megatron_rl.config import ConfigError

@@ -129,3 +129,14 @@ def test_tiny_math_example_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_rows(tmp_path / "run")
     assert len(rows) == 1 and rows[0]["reward/mean"] is not None and "time/rollout" in rows[0]
+
+
+def test_rows_keep_their_source_through_the_template(chat_tokenizer, tmp_path):
+    rows = apply_chat_template(read_prompts(SAMPLE / "math.jsonl", "problem", "solution"), chat_tokenizer, True)
+    assert rows[2].source == f"{SAMPLE / 'math.jsonl'}:3"
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(DataFormatError, match=r"latin1.jsonl:1: not valid UTF-8"):
+        read_prompts(bad)
+    with pytest.raises(FileNotFoundError, match="dataset file not found"):
+        read_prompts(tmp_path / "missing.parquet")

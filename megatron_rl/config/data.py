@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
+from pydantic import model_validator
+
 from megatron_rl.config.base import NonNegativeInt, PositiveInt, Seed, StrictConfig
 
 
@@ -35,17 +37,12 @@ class DataConfig(StrictConfig):
     """Reward function name (megatron_rl.reward registry)."""
     seed: Seed = 1234
     """Seed of data generation and prompt shuffling."""
-<<<<<<< HEAD
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
-        if self.num_train_prompts < 1 or self.num_eval_prompts < 0:
-            raise ValueError("data.num_train_prompts must be >= 1 and data.num_eval_prompts >= 0")
         if self.layout is not None and (self.prompt_key, self.answer_key) != ("prompt", "answer"):
             raise ValueError("data.layout sets the field map itself: leave data.prompt_key/data.answer_key unset")
         for name in ("prompt_key", "answer_key"):
             if not getattr(self, name) or any(not part for part in getattr(self, name).split(".")):
                 raise ValueError(f"data.{name} must be a dotted path with non-empty parts, got {getattr(self, name)!r}")
         return self
-=======
->>>>>>> main

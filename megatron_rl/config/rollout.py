@@ -40,25 +40,15 @@ class RolloutConfig(StrictConfig):
     """Generation endpoint(s) when engine=external: one sglang-router, or the engines themselves (requests are spread over them)."""
     weight_update_urls: list[str] = []
     """Engines that receive weight updates when engine=external (never a router); empty = the router's worker list, or `urls` when those are engines."""
-<<<<<<< HEAD
-    num_engines: int = 1
-    """Engines (SGLang servers) to start on this node when engine=embedded or sglang."""
-    engine_tp_size: int = 1
-    """Tensor-parallel GPUs per SGLang engine (--tp-size)."""
-    engine_dp_size: int = 1
-    """Data-parallel replicas inside one SGLang engine (--dp-size); GPUs used = num_engines * engine_tp_size * engine_dp_size."""
-    placement: Literal["disaggregated", "colocated"] = "disaggregated"
-    """disaggregated: engines on GPUs (nodes) of their own; colocated: engines share the learner's GPUs (release/resume memory). Read by `megatron-rl plan` and the Slurm scripts."""
-    engine_gpus: list[int] = []
-=======
     num_engines: PositiveInt = 1
     """Engines (SGLang servers, >= 1) to start on this node when engine=embedded or sglang."""
     engine_tp_size: PositiveInt = 1
     """Tensor-parallel GPUs per SGLang engine (--tp-size, >= 1)."""
     engine_dp_size: PositiveInt = 1
     """Data-parallel replicas (>= 1) inside one SGLang engine (--dp-size); GPUs used = num_engines * engine_tp_size * engine_dp_size."""
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: engines on GPUs (nodes) of their own; colocated: engines share the learner's GPUs (release/resume memory). Read by `megatron-rl plan` and the Slurm scripts."""
     engine_gpus: list[Annotated[int, Field(ge=0)]] = []
->>>>>>> main
     """CUDA device indices of this node for the SGLang engines, in order (empty = the GPUs after the learner's local ranks)."""
     sglang_python: str = "python"
     """Python executable of the environment SGLang is installed in (engine=sglang; SGLang pins its own torch)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from megatron_rl.config.base import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Seed, StrictConfig
 
@@ -97,9 +97,8 @@ class TrackingConfig(StrictConfig):
     """Also write TensorBoard scalars to <run_dir>/tb."""
     progress_bar: bool = True
     """Show a progress bar on the controller."""
-<<<<<<< HEAD
-    log_samples: int = 2
-    """Completions printed to the sample log per step."""
+    log_samples: NonNegativeInt = 2
+    """Completions printed to the sample log per step (>= 0)."""
     wandb: bool = False
     """Also log step metrics to Weights & Biases (optional extra: pip install megatron_rl[wandb]); files under <run_dir>/wandb."""
     wandb_project: str = "megatron_rl"
@@ -111,12 +110,6 @@ class TrackingConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "TrackingConfig":
-        if self.log_samples < 0:
-            raise ValueError("tracking.log_samples must be >= 0")
         if self.wandb and importlib.util.find_spec("wandb") is None:
             raise ValueError("tracking.wandb=true needs the wandb package: pip install 'megatron_rl[wandb]' (or wandb)")
         return self
-=======
-    log_samples: NonNegativeInt = 2
-    """Completions printed to the sample log per step (>= 0)."""
->>>>>>> main

@@ -16,11 +16,12 @@ prompt stays in `PromptRow.meta["raw_prompt"]`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from megatron_rl.data.jsonl import DataFormatError, PromptRow, parse_row
+from megatron_rl.data.jsonl import DataFileNotFoundError, DataFormatError, PromptRow, parse_row
 
 LAYOUTS: dict[str, dict[str, str]] = {
     # BytedTsinghua-SIA/DAPO-Math-17k: prompt is a one-message chat list, the answer is reward_model.ground_truth.
@@ -56,8 +57,8 @@ def get_path(obj: Any, path: str) -> Any:
 def iter_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     """('file:line' or 'file:row N', decoded record) of a JSONL or Parquet file; blank JSONL lines skipped."""
     p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"dataset file not found: {p}")
+    if not p.is_file():
+        raise DataFileNotFoundError(f"dataset file not found: {p}")
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -67,11 +68,15 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, Any]]:
                 yield f"{p}:row {row}", record
                 row += 1
         return
-    with p.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with p.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{p}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataFormatError(f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte offset {exc.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{p}:{lineno}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as exc:
@@ -126,7 +131,7 @@ def apply_chat_template(rows: list[PromptRow], tokenizer, mode: Any = "auto", so
     for row in rows:
         messages = row.meta.get("messages") or [{"role": "user", "content": row.prompt}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        out.append(PromptRow(prompt=text, answer=row.answer, meta={**row.meta, "raw_prompt": row.prompt}))
+        out.append(dataclasses.replace(row, prompt=text, meta={**row.meta, "raw_prompt": row.prompt}))
     return out
 
 
