@@ -57,7 +57,7 @@ BROKEN = {
     "engines-exceed-allocation": dict(overrides=["rollout.num_engines=100"]),
     "engine-tp-exceeds-node": dict(overrides=["rollout.num_engines=1", "rollout.engine_tp_size=16"], nodes=3),
     "engine-heads-not-divisible": dict(overrides=["rollout.num_engines=2", "rollout.engine_tp_size=3"]),
-    "batch-does-not-split": dict(overrides=["train.micro_batch_size=3"]),
+    "batch-does-not-split": dict(nodes=4),  # DP 12: 2048 samples do not split into 12 x 4 mini-batches x 2
     "sequence-exceeds-max-seq-len": dict(overrides=["rollout.sampling.max_new_tokens=16000"]),
     "fp8-gemm-misaligned": dict(overrides=["model.ffn_hidden_size=12296"]),
     "learner-out-of-memory": dict(config="qwen3_32b_fp8_dapo.yaml", overrides=["parallel.tensor_model_parallel_size=1",
