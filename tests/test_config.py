@@ -69,3 +69,31 @@ def _walk(model, prefix=""):
 def test_every_field_has_a_one_line_doc():
     undocumented = [name for name, field in _walk(RunConfig) if not (field.description or "").strip()]
     assert not undocumented, undocumented
+
+
+@pytest.mark.parametrize(
+    "override, key, suggestion",
+    [
+        ("algo.clip_eps_lowr=0.1", "algo.clip_eps_lowr", "algo.policy_loss.eps_low"),  # near leaf name, wrong section
+        ("train.eps_high=0.3", "train.eps_high", "algo.policy_loss.eps_high"),
+        ("train.stesp=3", "train.stesp", "train.steps"),
+        ("trian.steps=3", "trian", "train"),  # a typo'd section
+        ("tracking.progressbar=false", "tracking.progressbar", "tracking.progress_bar"),
+    ],
+)
+def test_unknown_key_suggests_the_nearest_valid_names(override, key, suggestion):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert f"{key}: unknown key (did you mean {suggestion}?)" in str(info.value)
+
+
+def test_suggestions_are_few_and_absent_when_nothing_is_close():
+    from megatron_rl.config.run import dotted_field_paths, suggest_keys
+
+    paths = dotted_field_paths()
+    assert "algo.policy_loss.eps_low" in paths and "algo" in paths and len(paths) == len(set(paths))
+    assert suggest_keys("steps") == ["sft.steps", "train.steps"]  # equally near: both, best first then by name
+    assert suggest_keys("zzzz.qqqq") == []
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["zzzz.qqqq=1"])
+    assert "zzzz: unknown key" in str(info.value) and "did you mean" not in str(info.value)
