@@ -100,12 +100,19 @@ def cmd_convert(args) -> int:
 
 
 def _quiet_known_upstream_warnings() -> None:
-    """Silence megatron-core's import-time notices about TE/Apex fallbacks (expected on CPU, noise in the job's output)."""
+    """Silence known notices from dependencies that the job cannot act on (noise in its output)."""
     import warnings
 
+    # megatron-core's import-time notices about TE/Apex fallbacks and its gloo/CPU paths (expected on CPU)
     for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                    "Warning: tp_group is None", "full scope is deprecated", "`torch.distributed.(reduce_scatter|all_gather_into)"):
+                    "Warning: tp_group is None", "`torch.distributed.(reduce_scatter|all_gather_into)"):
         warnings.filterwarnings("ignore", message=pattern)
+    # Loading a torch_dist checkpoint (resume): megatron-core 0.16.1's TorchDistLoadShardedStrategy calls torch's
+    # deprecated checkpoint.load_state_dict with torch ShardedTensors, whose use torch's planner flags as deprecated.
+    warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning,
+                            module=r"megatron\.core\.dist_checkpointing")
+    warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
+                            category=FutureWarning)
 
 
 def build_parser() -> argparse.ArgumentParser:

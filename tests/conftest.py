@@ -93,16 +93,35 @@ def pytest_configure(config) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
 
 
+def _helpers_ending_with_pytest() -> set[int]:
+    """Pids of this process's own process-wide helpers, which end with it, so are not left behind by a test:
+    its multiprocessing resource tracker (exits when pytest closes its pipe), multiprocessing Manager servers
+    it started (Python's exit handlers shut them down; megatron-core's checkpoint writer keeps one for the life
+    of the process that saved), and megatron_rl's child reaper (exits with the process it watches)."""
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    pids = {p.pid for p in multiprocessing.active_children() if "Manager" in p.name}
+    tracker = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
+    if tracker:
+        pids.add(tracker)
+    reaper = sys.modules.get("megatron_rl.child_reaper")
+    if reaper is not None and hasattr(reaper, "reaper_pid") and reaper.reaper_pid():
+        pids.add(reaper.reaper_pid())
+    return pids
+
+
 def _live_children() -> list:
-    """Descendants of this process that are still running (zombies are reaped: they already exited)."""
+    """Descendants of this process still running, less its own helpers and theirs (zombies are reaped: they exited)."""
     import psutil
 
+    helpers = _helpers_ending_with_pytest()
     alive = []
     for child in psutil.Process().children(recursive=True):
         try:
             if child.status() == psutil.STATUS_ZOMBIE:
                 os.waitpid(child.pid, os.WNOHANG)
-            else:
+            elif child.pid not in helpers and child.ppid() not in helpers:
                 alive.append(child)
         except (psutil.NoSuchProcess, ChildProcessError):
             pass

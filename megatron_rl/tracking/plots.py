@@ -24,6 +24,7 @@ RUN_FIGURES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
     ]),
     "entropy": ("Policy entropy", "nats / token", [("entropy", "entropy")]),
     "clipfrac": ("Clip fractions by advantage sign", "fraction of tokens", [
+        ("clipfrac", "all tokens (either bound)"),
         ("clipfrac_lower_neg", "A<0, r < L"),
         ("clipfrac_upper_pos", "A>0, r > H"),
         ("hp/clipfrac_lower_neg", "A<0, r < L (high-precision shadow)"),

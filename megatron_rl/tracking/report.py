@@ -159,8 +159,9 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
         ("wall time (s)", f"{wall_s:.1f}" + (f" (summed over {sessions} sessions: resumed runs add up)" if sessions > 1 else "")),
     ]
     if plots:
-        folder = Path(plots[0]).parent
-        out.append(("plots", f"{folder}/ " + " ".join(Path(p).name for p in plots)))
+        stems = [Path(p).stem for p in plots]
+        names = stems[0] if len(stems) == 1 else "{" + ",".join(stems) + "}"
+        out.append(("plots", f"{Path(plots[0]).parent}/{names}.png"))
     return out
 
 
