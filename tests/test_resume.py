@@ -78,6 +78,7 @@ def _assert_same_steps(reference: list[dict], resumed: list[dict]) -> None:
 def _resume(run_dir: Path, overrides: list[str]) -> tuple[list[dict], str]:
     proc = subprocess.run(train_command(run_dir, overrides), env=cli_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"resumed run failed:\n{proc.stderr[-6000:]}"
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]  # loading the checkpoint warns no more than a first run
     return read_rows(run_dir), proc.stdout
 
 
