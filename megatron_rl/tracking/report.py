@@ -176,8 +176,12 @@ def print_summary(rows: Sequence[dict], eval_before: float, eval_after: float, w
     table.add_column("value", justify="right")
     pairs = summary_rows(rows, eval_before, eval_after, wall_s, sessions, plots)
     for label, value in pairs:
-        table.add_row(label, value)
-    Console(width=max(100, Console().width)).print(table)
+        if label != "plots":
+            table.add_row(label, value)
+    console = Console(width=max(100, Console().width))
+    console.print(table)
+    if plots:  # under the table, whole: a path is no use cut or folded
+        console.print(f"plots: {dict(pairs)['plots']}", soft_wrap=True, highlight=False)
     return "\n".join(f"{label}: {value}" for label, value in pairs)
 
 
