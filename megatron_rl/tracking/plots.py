@@ -64,6 +64,12 @@ def _draw(ax, rows: Sequence[dict], key: str, label: str) -> bool:
     return True
 
 
+def _integer_steps(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _new_figure(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -88,6 +94,7 @@ def plot_run(rows: Sequence[dict], out_dir: str | Path) -> list[Path]:
             continue
         ax.set_title(title)
         ax.set_xlabel("RL step")
+        _integer_steps(ax)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -108,6 +115,7 @@ def plot_runs(runs: Mapping[str, Sequence[dict]], keys: Sequence[str], out_path:
         drawn = [_draw(ax, rows, key, name) for name, rows in runs.items()]
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("RL step", fontsize=8)
+        _integer_steps(ax)
         ax.grid(alpha=0.3)
         if any(drawn):
             ax.legend(fontsize=6)
