@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the model and parallel layout")
     p.add_argument("overrides", nargs="*", help="hf-to-megatron: dotted.key=value overrides of --config")
     p.set_defaults(fn=cmd_convert)
-    sub.add_parser("serve", help="embedded SGLang-protocol rollout server (`megatron-rl serve --help` lists its flags)")
+    sub.add_parser("serve", help="Embedded SGLang-protocol rollout server (`megatron-rl serve --help` lists its flags).")
     return parser
 
 
