@@ -156,7 +156,7 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
         ("FP8 vs high-precision |dlogp| (shadow steps)", fmt(mean_of(rows, "fp8/logprob_abs_err_mean"))),
         ("TIS weight mean / clipfrac", f"{fmt(mean_of(rows, 'tis_weight_mean'))} / {fmt(mean_of(rows, 'tis_clipfrac'))}"),
         ("step time (mean, s)", fmt(mean_of(rows, "time/step"))),
-        ("wall time (s)", f"{wall_s:.1f}" + (f" (summed over {sessions} sessions: resumed runs add up)" if sessions > 1 else "")),
+        ("wall time (s)", f"{wall_s:.1f}" + (f" (summed over {sessions} sessions; earlier ones up to their last checkpoint)" if sessions > 1 else "")),
     ]
     if plots:
         stems = [Path(p).stem for p in plots]
