@@ -4,10 +4,12 @@
     torchrun --nproc-per-node 2 -m megatron_rl.cli train CONFIG parallel.tensor_model_parallel_size=2
     megatron-rl sft CONFIG          # supervised warm start only
     megatron-rl serve --model-path DIR --port 30000   # embedded SGLang-protocol rollout server
+    megatron-rl engines CONFIG [overrides]            # this node's engines (+ router): print URLs, block until killed
     megatron-rl data CONFIG         # write the synthetic task's JSONL + tokenizer
     megatron-rl convert hf-to-fp8 SRC DST             # FP8 blockwise HF checkpoint for SGLang
     megatron-rl convert hf-to-megatron SRC DST --config CONFIG   # reshardable torch_dist checkpoint
     megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
+    megatron-rl study SPEC.yaml [--report-only]   # arms x seeds from one warm start -> RESULTS.md + plots
 """
 from __future__ import annotations
 
@@ -84,6 +86,17 @@ def _print_fields(model, prefix: str) -> None:
             print(f"{prefix}{name} = {field.default!r}  # {field.description or ''}")
 
 
+def cmd_engines(args) -> int:
+    """Start this node's rollout engines (rollout.engine embedded|sglang, + router when rollout.use_router), print their URLs, block until killed."""
+    from megatron_rl.rollout.node import serve_engines
+
+    try:
+        return serve_engines(_load(args), model_path=args.model_path, urls_file=args.urls_file)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def cmd_convert(args) -> int:
     """Checkpoint conversion: hf-to-fp8 (blockwise FP8 HF checkpoint), hf-to-megatron (torch_dist checkpoint)."""
     from megatron_rl.tools_convert import hf_to_fp8, hf_to_megatron
@@ -97,6 +110,15 @@ def cmd_convert(args) -> int:
         print(hf_to_megatron(args.src, args.dst, load_config(args.config, args.overrides)))
         return 0
     raise SystemExit(f"unknown conversion {args.kind!r}")
+
+
+def cmd_study(args) -> int:
+    """Arms x seeds of RL runs from one shared warm start, one after another (resumable), then RESULTS.md and plots."""
+    from megatron_rl.study import load_study
+    from megatron_rl.study.runner import run_study
+
+    failed = run_study(load_study(args.spec), report_only=args.report_only)
+    return 1 if failed else 0
 
 
 def _quiet_known_upstream_warnings() -> None:
@@ -127,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--fields", action="store_true", help="list every config field with its documentation")
     p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("engines", help=cmd_engines.__doc__, description=cmd_engines.__doc__)
+    _add_config_args(p)
+    p.add_argument("--model-path", default=None, help="HF model directory the engines start from (default: model.init_checkpoint)")
+    p.add_argument("--urls-file", default=None, help="also write the URLs as JSON {generate: [...], workers: [...]} here")
+    p.set_defaults(fn=cmd_engines)
     p = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__)
     p.add_argument("kind", choices=["hf-to-fp8", "hf-to-megatron"],
                    help="hf-to-fp8: blockwise FP8 HF checkpoint for SGLang/vLLM; "
@@ -138,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the model and parallel layout")
     p.add_argument("overrides", nargs="*", help="hf-to-megatron: dotted.key=value overrides of --config")
     p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("study", help=cmd_study.__doc__, description=cmd_study.__doc__)
+    p.add_argument("spec", help="study spec YAML (see examples/studies/)")
+    p.add_argument("--report-only", action="store_true", help="only rewrite RESULTS.md and the plots from the runs on disk")
+    p.set_defaults(fn=cmd_study)
     sub.add_parser("serve", help="Embedded SGLang-protocol rollout server (`megatron-rl serve --help` lists its flags).")
     return parser
 
@@ -156,10 +187,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_rl.data.jsonl import DataFormatError
     from megatron_rl.rollout.client import RolloutServerError
     from megatron_rl.rollout.launcher import LaunchError
+    from megatron_rl.study.spec import StudyError
 
     try:
         return args.fn(args)
-    except (ConfigError, DataFormatError, RolloutServerError, LaunchError) as exc:
+    except (ConfigError, DataFormatError, RolloutServerError, LaunchError, StudyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

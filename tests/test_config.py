@@ -97,3 +97,14 @@ def test_suggestions_are_few_and_absent_when_nothing_is_close():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["zzzz.qqqq=1"])
     assert "zzzz: unknown key" in str(info.value) and "did you mean" not in str(info.value)
+
+
+def test_api_key_is_redacted_in_the_run_record(tmp_path):
+    """config.yaml is copied and shared with run directories: the rollout API key never reaches it."""
+    from megatron_rl.config import dump_config, load_config
+
+    cfg = load_config(None, ["rollout.api_key=s3cret-token"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    assert "s3cret-token" not in text and "api_key: <redacted>" in text
+    assert cfg.rollout.api_key == "s3cret-token"

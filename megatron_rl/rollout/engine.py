@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 GREEDY_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 # SGLang sampling_params keys this engine implements (any value).
 SUPPORTED_SAMPLING_KEYS = (
@@ -41,7 +43,11 @@ NEUTRAL_SAMPLING_KEYS: dict[str, Any] = {
 ModelLoader = Callable[[str], torch.nn.Module]
 
 
-class SamplingParamsError(ValueError):
+class InvalidRequest(ValueError):
+    """A request the engine cannot run as given (answered 400, never retried); the message names the field."""
+
+
+class SamplingParamsError(InvalidRequest):
     """A sampling_params entry is unknown, unsupported or out of range; `key` names it."""
 
     def __init__(self, key: str, message: str):
@@ -121,6 +127,8 @@ class SamplingParams:
         for key in ("temperature", "top_p", "min_p"):
             if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), (int, float)):
                 raise bad(key, "must be a number")
+            if not _is_finite(getattr(self, key)):
+                raise bad(key, "must be a finite number")
         for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be a boolean")
@@ -183,6 +191,14 @@ class GenerationOutput:
     """Decoded completion (None without a tokenizer)."""
 
 
+def _is_finite(x: float) -> bool:
+    """False for NaN, +-inf and integers too large for a float (JSON allows them; the sampler cannot take them)."""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
 def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = True) -> torch.nn.Module:
     """Default model loader: an HF causal LM from a local directory (config.json + safetensors), eval mode.
 
@@ -193,8 +209,10 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = 
 
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model_path {path!r} is not a directory with a config.json")
-    if _is_fp8_checkpoint(path):
-        return _load_fp8_model(path, dtype)
+    from megatron_rl.precision.rollout_formats import checkpoint_format, load_quantized_model, read_config
+
+    if checkpoint_format(read_config(path)) is not None:  # FP8 rollout weights, in any registered format
+        return load_quantized_model(path, dtype)
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                        output_loading_info=True)
     if strict:
@@ -208,29 +226,6 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = 
             detail = "; ".join(f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items())
             raise ValueError(f"checkpoint {path!r} does not match its config.json ({detail})")
     return model.eval()
-
-
-def _is_fp8_checkpoint(path: str) -> bool:
-    """True when config.json declares an FP8 quantization_config (as SGLang reads it)."""
-    import json
-
-    with open(os.path.join(path, "config.json")) as f:
-        qc = json.load(f).get("quantization_config") or {}
-    return qc.get("quant_method") == "fp8"
-
-
-def _load_fp8_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
-    """Build the architecture from config.json and load the FP8 checkpoint with W8A8 emulation (strict)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from megatron_rl.precision.w8a8 import load_fp8_checkpoint_into
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    # The quantization is ours to emulate; transformers' own FP8 integration needs a GPU.
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return load_fp8_checkpoint_into(model, path).eval()
 
 
 def load_tokenizer(path: str):
@@ -278,8 +273,17 @@ class Engine:
 
     def __init__(self, model_path: str, tokenizer_path: Optional[str] = None,
                  model_loader: Optional[ModelLoader] = None, random_seed: int = 0,
-                 max_context_len: Optional[int] = None):
-        """Load the model (and tokenizer if given); `model_loader(path)` replaces the default HF loader."""
+                 max_context_len: Optional[int] = None, kv_cache_dtype: str = "auto"):
+        """Load the model (and tokenizer if given); `model_loader(path)` replaces the default HF loader.
+
+        kv_cache_dtype: "fp8_e4m3" stores K/V in an emulated E4M3 cache with SGLang's default
+        per-tensor scales (precision/kv_cache.py), as `--kv-cache-dtype fp8_e4m3` does on GPU.
+        """
+        from megatron_rl.precision.kv_cache import KV_CACHE_DTYPES
+
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
+        self.kv_cache_dtype = kv_cache_dtype
         self.model_loader: ModelLoader = model_loader or load_hf_model
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path
@@ -331,25 +335,37 @@ class Engine:
         return out.logits.float(), new_cache
 
     def _new_cache(self) -> Any:
-        """An empty HF dynamic KV cache."""
-        from transformers import DynamicCache
+        """An empty HF dynamic KV cache (FP8-emulated under kv_cache_dtype=fp8_e4m3)."""
+        from megatron_rl.precision.kv_cache import new_kv_cache
 
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers
-            return DynamicCache()
+        return new_kv_cache(self.model.config, self.kv_cache_dtype)
 
     # ------------------------------------------------------------------------------- generate
     def check_request(self, req: GenerationRequest) -> None:
-        """Raise ValueError (naming the field) for a prompt the model cannot take."""
-        if not req.input_ids:
-            raise ValueError("input_ids is empty")
-        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in req.input_ids):
-            raise ValueError(f"input_ids contains a token outside [0, {self.vocab_size})")
-        if len(req.input_ids) >= self.max_context_len:
-            raise ValueError(f"The input ({len(req.input_ids)} tokens) is longer than the model's context "
-                             f"length ({self.max_context_len} tokens)")
-        if req.params.stop and self.tokenizer is None:
+        """Raise InvalidRequest (naming the field) for a request this model cannot take.
+
+        Every token-id-valued field is range-checked here: an id outside the vocabulary would index
+        out of range inside the decode loop and fail the whole batch it shares.
+        """
+        ids = req.input_ids
+        if not ids:
+            raise InvalidRequest("input_ids is empty")
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in ids):
+            raise InvalidRequest(f"input_ids contains a token outside [0, {self.vocab_size})")
+        if len(ids) >= self.max_context_len:
+            raise InvalidRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                                 f"({self.max_context_len} tokens).")
+        p = req.params
+        bad_stop = [t for t in p.stop_token_ids if t < 0 or t >= self.vocab_size]
+        if bad_stop:
+            raise SamplingParamsError("stop_token_ids", f"sampling_params.stop_token_ids contains {bad_stop[0]}, "
+                                      f"outside the vocabulary [0, {self.vocab_size})")
+        if p.min_new_tokens > 0:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos)
+            if len(stops) >= self.vocab_size:
+                raise SamplingParamsError("min_new_tokens", "sampling_params.min_new_tokens > 0 masks every stop "
+                                          "token, but stop_token_ids (with EOS) cover the whole vocabulary")
+        if p.stop and self.tokenizer is None:
             raise SamplingParamsError("stop", "sampling_params.stop needs a tokenizer (start the server with --tokenizer-path)")
 
     @torch.inference_mode()
@@ -386,9 +402,12 @@ class Engine:
             if budget[r] <= 0:
                 reasons[r] = {"type": "length", "length": params[r].max_new_tokens}
 
-        temp = torch.tensor([max(p.temperature, GREEDY_TEMPERATURE) for p in params])
+        # capped at float32's largest value: beyond it the tensor would hold inf, and a masked (-inf) logit
+        # divided by inf is NaN; the capped value gives the same (uniform) distribution
+        temp = torch.tensor([min(max(p.temperature, GREEDY_TEMPERATURE), MAX_TEMPERATURE) for p in params])
         greedy = torch.tensor([p.greedy for p in params])
-        top_k = torch.tensor([p.top_k for p in params])
+        # a top_k beyond the vocabulary keeps every token (and may not fit an int64)
+        top_k = torch.tensor([min(p.top_k, self.vocab_size) for p in params])
         top_p = torch.tensor([float(p.top_p) for p in params])
         min_p = torch.tensor([float(p.min_p) for p in params])
 
@@ -503,5 +522,5 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; needs a tokenizer."""
         if self.tokenizer is None:
-            raise ValueError("text input needs a tokenizer (start the server with --tokenizer-path), or send input_ids")
+            raise InvalidRequest("text input needs a tokenizer (start the server with --tokenizer-path), or send input_ids")
         return list(self.tokenizer.encode(text))
