@@ -7,7 +7,6 @@ rollout engines over HTTP, scores rewards and broadcasts the step's batch. Run i
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -17,9 +16,9 @@ from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import broadcast_from_controller, reduce_loss_sums
 from megatron_rl.phases import batching, health, logprobs, reward, rollout, weights
 from megatron_rl.phases.loss import RLLoss, with_sequence_rollout_weights
-from megatron_rl.runtime import RunSession, checkpoint_root, open_session, save
+from megatron_rl.runtime import RunSession, checkpoint_root, finished_run, open_session, save
 from megatron_rl.tracking import MetricsWriter, Timers
-from megatron_rl.tracking.report import Progress, print_summary
+from megatron_rl.tracking.report import Progress, write_run_report
 from megatron_rl.tracking.wandb_sink import open_sinks
 
 
@@ -85,12 +84,14 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
 
 def run(cfg: RunConfig) -> dict:
     """Run (or resume) the RL job described by `cfg`; returns the summary on the controller."""
+    notice = finished_run(cfg)
+    if notice is not None:  # rerunning a finished run starts nothing and leaves its outputs as they are
+        return {"finished": True, "notice": notice}
     session = open_session(cfg)
     timers, is_controller = Timers(), state.is_controller()
     writer = MetricsWriter(session.run_dir, cfg.tracking.jsonl, cfg.tracking.tensorboard,
                            resume_step=session.start_step if session.start_step else None,
                            sinks=open_sinks(cfg, session.run_dir)) if is_controller else None
-    start_wall = time.perf_counter()
     try:
         weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step)
         eval_before = session.rl_state.get("eval_before", evaluate(session)) if session.start_step else evaluate(session)
@@ -126,8 +127,8 @@ def run(cfg: RunConfig) -> dict:
         writer.close()
         from megatron_rl.tracking import read_metrics
 
-        text = print_summary(read_metrics(writer.path), eval_before, eval_after, time.perf_counter() - start_wall)
-        (session.run_dir / "summary.txt").write_text(text + "\n")
+        text = write_run_report(session.run_dir, read_metrics(writer.path), eval_before, eval_after, session.wall_time(),
+                                session.sessions(), plots=cfg.tracking.plots)
         return {"eval_before": eval_before, "eval_after": eval_after, "summary": text}
     finally:
         session.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -58,11 +59,21 @@ class RunSession:
     start_step: int = 0
     """First step to run (> 0 when resumed)."""
     rl_state: dict = field(default_factory=dict)
-    """Restored RL state (eval before RL, etc.)."""
+    """Restored RL state (eval before RL, wall time of earlier sessions, etc.)."""
     prompts: Any = None
     """PromptStream of the training prompts (its cursor is checkpointed)."""
     health: Any = None
     """HealthGuard of the run (its counters are checkpointed)."""
+    started: float = field(default_factory=time.perf_counter)
+    """perf_counter() when this session (process) started building the run."""
+
+    def wall_time(self) -> float:
+        """Seconds spent on this run: earlier sessions up to their last checkpoint plus this session so far."""
+        return float(self.rl_state.get("wall_s", 0.0)) + time.perf_counter() - self.started
+
+    def sessions(self) -> int:
+        """How many sessions (the first run and each resume) this run has taken, this one included."""
+        return int(self.rl_state.get("sessions", 0)) + 1
 
     def close(self) -> None:
         """Stop engines."""
@@ -203,6 +214,7 @@ def open_session(cfg: RunConfig) -> RunSession:
     from megatron_rl.trainer.learner import Learner
     from megatron_rl.warm_start import ensure_warm_start, initialize_learner, model_vocab_size, needs_warm_start
 
+    started = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     # The user's data files are read and checked before any distributed or model work (errors within seconds).
     check_data_paths(cfg)
@@ -224,7 +236,8 @@ def open_session(cfg: RunConfig) -> RunSession:
     session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                          reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir,
                          prompts=PromptStream(train_rows, cfg.data.seed),
-                         health=HealthGuard(cfg.train.health, learner.arch.vocab_size, cfg.train.ppo_epochs * cfg.train.num_minibatches))
+                         health=HealthGuard(cfg.train.health, learner.arch.vocab_size, cfg.train.ppo_epochs * cfg.train.num_minibatches),
+                         started=started)
     if cfg.algo.kl.coef > 0:
         from megatron_rl.phases.logprobs import ReferencePolicy
 
@@ -278,10 +291,35 @@ def _maybe_resume(session: RunSession) -> None:
         print(f"resumed from {path} at step {session.start_step}", flush=True)
 
 
+def finished_run(cfg: RunConfig) -> Optional[str]:
+    """For a run whose final checkpoint already exists (rerunning it has nothing to do): print a one-line notice
+    and return it; else None.
+
+    Reads files only (no distributed init, no engines): every rank of a torchrun job reaches the same answer,
+    and torchrun's RANK says which one prints.
+    """
+    from megatron_rl.trainer.checkpoint import checkpoint_meta, latest_checkpoint
+
+    run_dir = Path(cfg.run_dir)
+    path = latest_checkpoint(str(run_dir / "checkpoints")) if cfg.checkpoint.resume else None
+    done = int(checkpoint_meta(path)["step"]) + 1 if path is not None else 0
+    if done == 0 or done < cfg.train.steps:
+        return None
+    summary = run_dir / "summary.txt"
+    where = f"its summary is {summary}" if summary.exists() else f"no {summary} (the run stopped before writing it)"
+    notice = (f"run already complete: {run_dir} finished its {done} steps ({Path(path).name}); {where}. "
+              f"To start over add checkpoint.resume=false (overwrites it) or pick a new run_dir=...; "
+              f"to train further raise train.steps.")
+    if os.environ.get("RANK", "0") == "0":
+        print(notice, flush=True)
+    return notice
+
+
 def save(session: RunSession, step: int, extra: dict) -> None:
     """Checkpoint model, optimizer and RL state after `step`."""
     from megatron_rl.trainer.checkpoint import save_checkpoint
 
     rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None,
-                "prompt_cursor": session.prompts.cursor, "health": session.health.state_dict(), **extra}
+                "prompt_cursor": session.prompts.cursor, "health": session.health.state_dict(),
+                "wall_s": session.wall_time(), "sessions": session.sessions(), **extra}
     save_checkpoint(session.learner, checkpoint_root(session), step, rl_state, keep_last=session.cfg.checkpoint.keep_last)

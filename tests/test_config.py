@@ -162,6 +162,34 @@ def test_cli_config_rejects_a_bad_value_by_name():
     assert "optim.lr: Input should be greater than 0 (got -1)" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "override, key, suggestion",
+    [
+        ("algo.clip_eps_lowr=0.1", "algo.clip_eps_lowr", "algo.policy_loss.eps_low"),  # near leaf name, wrong section
+        ("train.eps_high=0.3", "train.eps_high", "algo.policy_loss.eps_high"),
+        ("train.stesp=3", "train.stesp", "train.steps"),
+        ("trian.steps=3", "trian", "train"),  # a typo'd section
+        ("tracking.progressbar=false", "tracking.progressbar", "tracking.progress_bar"),
+    ],
+)
+def test_unknown_key_suggests_the_nearest_valid_names(override, key, suggestion):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert f"{key}: unknown key (did you mean {suggestion}?)" in str(info.value)
+
+
+def test_suggestions_are_few_and_absent_when_nothing_is_close():
+    from megatron_rl.config.run import dotted_field_paths, suggest_keys
+
+    paths = dotted_field_paths()
+    assert "algo.policy_loss.eps_low" in paths and "algo" in paths and len(paths) == len(set(paths))
+    assert suggest_keys("steps") == ["sft.steps", "train.steps"]  # equally near: both, best first then by name
+    assert suggest_keys("zzzz.qqqq") == []
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["zzzz.qqqq=1"])
+    assert "zzzz: unknown key" in str(info.value) and "did you mean" not in str(info.value)
+
+
 def test_api_key_is_redacted_in_the_run_record(tmp_path):
     """config.yaml is copied and shared with run directories: the rollout API key never reaches it."""
     from megatron_rl.config import dump_config, load_config

@@ -66,7 +66,18 @@ def test_two_step_fp8_calibrated_run(warm, tmp_path):
                 assert qs == sorted(qs)
     assert any(r["groups/no_spread_frac"] < 1.0 for r in rows), "no step had reward spread: the test would prove little"
     summary = (run_dir / "summary.txt").read_text()
-    assert "calibrated L / H" in summary and "steps" in summary
+    assert "calibrated L / H (final)" in summary and "steps" in summary
+    plots = {p.name for p in (run_dir / "plots").glob("*.png")}
+    assert plots == {"reward.png", "entropy.png", "clipfrac.png", "bounds.png"}
+    assert f"plots: {run_dir / 'plots'}/{{" in summary
+    # the same command again: one line saying the run is complete, nothing started, the summary left as it was
+    before = (run_dir / "summary.txt").stat()
+    proc, _ = _cli(["train", str(CONFIG), f"run_dir={run_dir}", *tiny_overrides(warm, "train.steps=2")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"run already complete: {run_dir} finished its 2 steps"), proc.stdout
+    assert len(proc.stdout.splitlines()) == 1 and "Warning" not in proc.stderr
+    after = (run_dir / "summary.txt").stat()
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
 
 
 def _cli(args: list[str], timeout: float = 180) -> tuple[subprocess.CompletedProcess, float]:

@@ -9,11 +9,12 @@ Unknown keys, wrong types and invalid values raise ConfigError naming the dotted
 """
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import yaml
-from pydantic import ValidationError, model_validator
+from pydantic import BaseModel, ValidationError, model_validator
 
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.config.base import StrictConfig
@@ -104,13 +105,46 @@ def check_config_for_world(cfg: RunConfig, dp_size: int, sft: bool = True) -> No
         raise ConfigError(f"invalid config for data-parallel size {dp_size}: " + "; ".join(errors))
 
 
+def dotted_field_paths(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of `model`: sections and leaf fields (e.g. 'algo', 'algo.policy_loss.eps_low')."""
+    out = []
+    for name, field in model.model_fields.items():
+        out.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.extend(dotted_field_paths(ann, f"{prefix}{name}."))
+    return out
+
+
+def suggest_keys(unknown: str, paths: Optional[list[str]] = None, n: int = 3) -> list[str]:
+    """The valid dotted keys nearest to `unknown` (at most `n`, best first, near-ties of the best only): by the
+    whole path, or by its last component alone (so a right name in the wrong section is found)."""
+    paths = dotted_field_paths() if paths is None else paths
+    last = unknown.rsplit(".", 1)[-1]
+
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    scored = []
+    for path in paths:
+        whole, tail = ratio(unknown, path), ratio(last, path.rsplit(".", 1)[-1])
+        # the last component decides, the whole path breaks ties between equal leaf names in different sections
+        score = max(whole, 0.9 * tail + 0.1 * whole)
+        if score >= 0.6:
+            scored.append((score, path))
+    scored.sort(key=lambda sp: (-sp[0], sp[1]))
+    # only near-ties of the best: a list of loosely similar names would bury the one that was meant
+    return [path for score, path in scored[:n] if score >= scored[0][0] - 0.1]
+
+
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key"
+            near = suggest_keys(loc)
+            msg = "unknown key" + (f" (did you mean {' or '.join(near)}?)" if near else "")
         got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and not isinstance(err["input"], dict) else ""
         lines.append((f"  {loc}: {msg}" if loc else f"  {msg}") + got)
     return f"invalid config ({source}):\n" + "\n".join(lines)

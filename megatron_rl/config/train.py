@@ -96,7 +96,9 @@ class TrackingConfig(StrictConfig):
     tensorboard: bool = False
     """Also write TensorBoard scalars to <run_dir>/tb."""
     progress_bar: bool = True
-    """Show a progress bar on the controller."""
+    """Show progress on the controller: a bar on a terminal, plain periodic lines in logs."""
+    plots: bool = True
+    """Draw <run_dir>/plots/*.png (reward, entropy, clip fractions, L/H) at the end of the run."""
     log_samples: NonNegativeInt = 2
     """Completions printed to the sample log per step (>= 0)."""
     wandb: bool = False
