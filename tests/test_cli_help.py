@@ -19,11 +19,11 @@ def _undocumented(parser: argparse.ArgumentParser) -> list[str]:
 def test_every_subcommand_has_a_help_line():
     sub = _subparsers(build_parser())
     helped = {a.dest: a.help for a in sub._choices_actions}
-    assert set(helped) == set(sub.choices) == {"train", "sft", "serve", "engines", "data", "convert", "config", "study"}
+    assert set(helped) == set(sub.choices) == {"train", "sft", "serve", "engines", "data", "convert", "config", "study", "plan"}
     assert all((h or "").strip() for h in helped.values()), helped
 
 
-@pytest.mark.parametrize("command", ["train", "sft", "engines", "data", "convert", "config", "study"])
+@pytest.mark.parametrize("command", ["train", "sft", "engines", "data", "convert", "config", "study", "plan"])
 def test_every_argument_has_a_help_line(command):
     assert not _undocumented(_subparsers(build_parser()).choices[command])
 
@@ -38,5 +38,6 @@ def test_convert_help_explains_its_arguments(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["convert", "--help"])
     out = capsys.readouterr().out
-    for fragment in ("source HF model directory", "output directory", "hf-to-fp8: blockwise FP8", "--scale-fmt"):
+    for fragment in ("HF directory, or megatron checkpoint", "output directory", "*-to-fp8: blockwise FP8", "--scale-fmt",
+                     "megatron-to-hf: safetensors shards"):
         assert fragment in out
