@@ -21,6 +21,14 @@ def sft_dir(cfg: RunConfig, run_dir: Path) -> Path:
     return Path(cfg.sft.output_dir) if cfg.sft.output_dir else run_dir / "sft"
 
 
+def needs_warm_start(cfg: RunConfig, run_dir: Path) -> bool:
+    """True when the run will train the supervised warm start (no init checkpoint and no earlier warm start to reuse)."""
+    out = sft_dir(cfg, run_dir) / "hf"
+    # the export is one model.safetensors, or shards + an index once the model exceeds a bucket
+    return not cfg.model.init_checkpoint and not ((out / "model.safetensors").exists()
+                                                 or (out / "model.safetensors.index.json").exists())
+
+
 def ensure_warm_start(cfg: RunConfig, run_dir: Path, tokenizer, train_rows) -> str:
     """The HF directory the run starts from (running the SFT warm start first if needed)."""
     if cfg.model.init_checkpoint:
@@ -30,7 +38,7 @@ def ensure_warm_start(cfg: RunConfig, run_dir: Path, tokenizer, train_rows) -> s
                                     "nor a megatron distributed checkpoint")
         return str(path)
     out = sft_dir(cfg, run_dir) / "hf"
-    if not ((out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists()):
+    if needs_warm_start(cfg, run_dir):
         from megatron_rl.sft import run_sft
 
         run_sft(cfg, tokenizer, train_rows, sft_dir(cfg, run_dir))
@@ -44,6 +52,29 @@ def is_megatron_checkpoint(path: str | Path) -> bool:
 
     path = Path(path)
     return (path / "COMPLETE").exists() or latest_checkpoint(path) is not None
+
+
+def model_vocab_size(init_dir: str, tokenizer) -> int:
+    """Rows of the model's embedding: the init checkpoint's (HF config.json or megatron meta.json), else the tokenizer's.
+
+    Real checkpoints pad the vocabulary beyond the tokenizer (Qwen3: 151936 rows, 151669 tokens), so sizing
+    the learner from the tokenizer would not fit their weights.
+    """
+    path = Path(init_dir)
+    if (path / "config.json").exists():
+        import json
+
+        rows = int(json.loads((path / "config.json").read_text()).get("vocab_size") or len(tokenizer))
+    elif is_megatron_checkpoint(path):
+        from megatron_rl.trainer.checkpoint_reader import checkpoint_architecture
+
+        rows = checkpoint_architecture(path).vocab_size
+    else:
+        return len(tokenizer)
+    if rows < len(tokenizer):
+        raise ValueError(f"model.init_checkpoint={init_dir} has {rows} embedding rows, fewer than the tokenizer's "
+                         f"{len(tokenizer)} tokens (data.tokenizer_dir): they belong to different models")
+    return rows
 
 
 def initialize_learner(learner, init_dir: str, tokenizer, run_dir: Path) -> str:

@@ -2,8 +2,10 @@
 
 A preset is a frozen `Architecture`. `resolve_architecture(model_cfg, vocab_size)` applies the
 ModelConfig overrides; `transformer_config_kwargs(arch)` / `gpt_model_kwargs(arch)` give the
-megatron side and `hf_config(arch)` a transformers Qwen3Config / LlamaConfig with the same maths
-(rope theta, norm eps, head_dim, qk-norm, tied embeddings), so weights map one-to-one.
+megatron side and `hf_config(arch)` a transformers Qwen3Config / Qwen2Config / LlamaConfig with the
+same maths (rope theta and Llama-3 rope scaling, norm eps, head_dim, qk-norm, qkv bias, tied
+embeddings), so weights map one-to-one. `architecture_from_hf` (models/hf_arch.py) derives an
+Architecture from an HF config.json instead of a preset.
 `tiny` trains on a CPU in seconds; the real shapes are only instantiated on GPUs.
 """
 from __future__ import annotations
@@ -21,8 +23,8 @@ class Architecture:
 
     name: str
     """Preset name."""
-    family: Literal["qwen3", "llama"]
-    """HF architecture family (selects Qwen3Config or LlamaConfig)."""
+    family: Literal["qwen3", "qwen2", "llama"]
+    """HF architecture family (selects Qwen3Config, Qwen2Config or LlamaConfig)."""
     num_layers: int
     """Transformer layers."""
     hidden_size: int
@@ -49,12 +51,17 @@ class Architecture:
     """Output layer shares the embedding matrix."""
     vocab_multiple: int = 64
     """The vocabulary is padded up to a multiple of this (so it splits evenly over TP ranks)."""
+    qkv_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2 / Qwen2.5)."""
+    rope_scaling_factor: Optional[float] = None
+    """Llama-3.1 ("llama3") RoPE frequency scaling factor (megatron rope_scaling); None = plain RoPE."""
 
     def num_parameters(self) -> int:
         """Parameter count from the shape formula (no model is built)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_attention_heads + 2 * self.num_query_groups) + self.num_attention_heads * d * h
         attn += 2 * d if self.qk_layernorm else 0
+        attn += (self.num_attention_heads + 2 * self.num_query_groups) * d if self.qkv_bias else 0
         mlp = 3 * h * self.ffn_hidden_size
         per_layer = attn + mlp + 2 * h
         embed = self.vocab_size * h
@@ -69,6 +76,8 @@ def megatron_param_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
         p = f"decoder.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "self_attention.linear_qkv.weight"] = ((arch.num_attention_heads + 2 * arch.num_query_groups) * d, h)
+        if arch.qkv_bias:
+            shapes[p + "self_attention.linear_qkv.bias"] = ((arch.num_attention_heads + 2 * arch.num_query_groups) * d,)
         if arch.qk_layernorm:
             shapes[p + "self_attention.q_layernorm.weight"] = (d,)
             shapes[p + "self_attention.k_layernorm.weight"] = (d,)
@@ -162,7 +171,7 @@ def transformer_config_kwargs(arch: Architecture) -> dict[str, Any]:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -184,12 +193,14 @@ def gpt_model_kwargs(arch: Architecture) -> dict[str, Any]:
         rotary_percent=1.0,
         rotary_base=int(arch.rope_theta),
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor if arch.rope_scaling_factor is not None else 8.0,
     )
 
 
 def hf_config(arch: Architecture, **extra: Any):
-    """transformers Qwen3Config / LlamaConfig computing the same function as the megatron model."""
-    from transformers import LlamaConfig, Qwen3Config
+    """transformers Qwen3Config / Qwen2Config / LlamaConfig computing the same function as the megatron model."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=arch.vocab_size,
@@ -202,12 +213,19 @@ def hf_config(arch: Architecture, **extra: Any):
         max_position_embeddings=arch.max_seq_len,
         rms_norm_eps=arch.norm_eps,
         tie_word_embeddings=arch.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(arch.rope_theta)},
+        rope_parameters=_rope_parameters(arch),
         attention_bias=False,
         hidden_act="silu",
         attention_dropout=0.0,
     )
     common.update(extra)
+    if arch.family != "qwen2" and arch.qkv_bias:
+        raise ValueError(f"preset {arch.name}: only the qwen2 family has a qkv bias")
+    if arch.family == "qwen2":
+        if arch.qk_layernorm or not arch.qkv_bias:
+            raise ValueError(f"preset {arch.name}: Qwen2 has a qkv bias and no qk-norm")
+        del common["attention_bias"]  # Qwen2 always biases q/k/v and never o_proj
+        return Qwen2Config(use_sliding_window=False, **common)
     if arch.family == "qwen3":
         if not arch.qk_layernorm:
             raise ValueError(f"preset {arch.name}: Qwen3 always has qk-norm")
@@ -215,3 +233,15 @@ def hf_config(arch: Architecture, **extra: Any):
     if arch.qk_layernorm:
         raise ValueError(f"preset {arch.name}: Llama has no qk-norm")
     return LlamaConfig(mlp_bias=False, **common)
+
+
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The Llama-3.1 rope-scaling constants megatron-core hard-codes (RotaryEmbedding._apply_scaling); only the factor varies."""
+
+
+def _rope_parameters(arch: Architecture) -> dict[str, Any]:
+    """HF rope_parameters of the architecture (plain RoPE, or Llama-3.1 scaling with megatron's constants)."""
+    if arch.rope_scaling_factor is None:
+        return {"rope_type": "default", "rope_theta": float(arch.rope_theta)}
+    return {"rope_type": "llama3", "rope_theta": float(arch.rope_theta), "factor": float(arch.rope_scaling_factor),
+            **LLAMA3_ROPE}

@@ -5,12 +5,14 @@ shards and the global token counts of the aggregation weights are computed local
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 import torch
 
 from megatron_rl.algo.aggregation import count_tokens_and_seqs, token_weights
 from megatron_rl.config.model import ParallelConfig
+from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.types import Sample, TrainBatch
 
 
@@ -46,21 +48,16 @@ def build_train_batch(samples: Sequence[Sample], advantages: torch.Tensor, pad_i
                       rollout_logprobs=rollout_lp, sample_index=torch.arange(b))
 
 
-def check_divisible(num_rows: int, dp_size: int, num_minibatches: int, micro_batch_size: int) -> None:
-    """Raise a clear error when the step's rows cannot split into mini-batches, DP shards and micro-batches."""
-    unit = dp_size * num_minibatches * micro_batch_size
-    if num_rows % unit != 0:
-        raise ValueError(
-            f"train.prompts_per_step * rollout.n_samples_per_prompt = {num_rows} samples must be divisible by "
-            f"data-parallel size ({dp_size}) * train.num_minibatches ({num_minibatches}) * train.micro_batch_size ({micro_batch_size}) = {unit}"
-        )
-
-
 def minibatches(batch: TrainBatch, num_minibatches: int, seed: int) -> list[TrainBatch]:
     """Shuffle rows (same permutation on every rank) and cut them into equal mini-batches."""
     perm = torch.randperm(batch.batch_size, generator=torch.Generator().manual_seed(seed))
     size = batch.batch_size // num_minibatches
     return [batch.select(perm[k * size:(k + 1) * size]) for k in range(num_minibatches)]
+
+
+def agg_max_len(cfg) -> int:
+    """The constant normaliser of the seq-mean-token-sum-norm (Dr.GRPO) aggregation: the configured one or the generation budget."""
+    return cfg.algo.policy_loss.max_response_length or cfg.rollout.sampling.max_new_tokens
 
 
 def with_token_weights(batch: TrainBatch, mode: str, max_response_length: int | None = None) -> TrainBatch:
@@ -76,7 +73,24 @@ def dp_shard(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
     return batch.select(slice(dp_rank * size, (dp_rank + 1) * size))
 
 
-def seq_multiple(parallel: ParallelConfig) -> int:
-    """Sequence lengths must divide by 2*CP (load-balanced CP chunks) and by TP under sequence parallelism."""
-    m = 2 * parallel.context_parallel_size if parallel.context_parallel_size > 1 else 1
-    return m * (parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)
+TOKEN_ALIGNMENT = {"none": 1, "mxfp8": 32, "mxfp4": 32}
+"""Tokens per GEMM row block each learner recipe needs (default 16 for the other FP8/FP4 recipes): TE asserts
+leading dims % 8 and the last dim % 16 for FP8 GEMMs (transformer_engine.pytorch.utils.assert_dim_for_fp8_exec),
+and the wgrad GEMM puts the tokens last; MX formats scale 1x32 blocks, so they need 32."""
+
+
+def token_alignment(precision: Optional[PrecisionConfig]) -> int:
+    """Multiple that every rank's token count must be for the learner's low-precision GEMMs (1 without FP8)."""
+    if precision is None:
+        return 1
+    return TOKEN_ALIGNMENT.get(precision.recipe, 16)
+
+
+def seq_multiple(parallel: ParallelConfig, precision: Optional[PrecisionConfig] = None) -> int:
+    """Padded sequence lengths divide by 2*CP (load-balanced CP chunks) and TP under sequence parallelism, and
+    leave each rank (S / (CP * TP_sp) tokens per row) a multiple of the recipe's token alignment."""
+    sp = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+    cp = parallel.context_parallel_size
+    base = (2 * cp if cp > 1 else 1) * sp
+    align = token_alignment(precision)
+    return base if align == 1 else math.lcm(base, cp * sp * align)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 
 def _clean(value: Any) -> Any:
@@ -17,8 +17,11 @@ def _clean(value: Any) -> Any:
 class MetricsWriter:
     """Appends step metrics; on resume, rows at or after the resumed step are dropped first."""
 
-    def __init__(self, run_dir: str | Path, jsonl: bool = True, tensorboard: bool = False, resume_step: Optional[int] = None) -> None:
-        """Open the sinks; `resume_step` truncates rows from that step on (they will be recomputed)."""
+    def __init__(self, run_dir: str | Path, jsonl: bool = True, tensorboard: bool = False, resume_step: Optional[int] = None,
+                 sinks: Sequence[Any] = ()) -> None:
+        """Open the sinks; `resume_step` truncates rows from that step on (they will be recomputed); `sinks` are extra
+        writers with log(step, metrics) and close() (W&B: tracking/wandb_sink.py)."""
+        self.sinks = list(sinks)
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.jsonl = jsonl
@@ -43,11 +46,15 @@ class MetricsWriter:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(float(v)):
                     self.tb.add_scalar(k, v, step)
+        for sink in self.sinks:
+            sink.log(step, metrics)
 
     def close(self) -> None:
         """Flush and close the sinks."""
         if self.tb is not None:
             self.tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def _rows_before_crash(path: Path) -> list[dict[str, Any]]:

@@ -267,6 +267,10 @@ def _write_shards(learner: Any, tmp: Path) -> bool:
     """Every rank: save model (+ optimizer) + scheduler with dist_checkpointing and its RNG file; True when optimizer state was saved."""
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.child_reaper import ensure_reaper
+
+    # megatron's writer starts a spawn Manager (+ resource tracker) that would outlive a killed trainer
+    ensure_reaper()
     distopt = bool(learner.parallel_cfg.use_distributed_optimizer)
     metadata = _sharding_metadata(distopt)
     sharded = _model_sharded_state_dict(learner, metadata)
@@ -455,8 +459,12 @@ def load_checkpoint(learner: Any, path: str, load_optimizer: bool = True, load_r
             f"{ckpt} was saved with use_distributed_optimizer={meta['layout']['use_distributed_optimizer']} and this "
             f"learner uses {distopt}: optimizer state cannot be converted; pass load_optimizer=False to load weights only"
         )
+    from megatron_rl.models.hf_arch import SHAPE_FIELDS
+
     arch = _arch_fields(learner)
-    diff = {k: (v, arch[k]) for k, v in meta.get("arch", {}).items() if k in arch and arch[k] != v}
+    # Only fields that change the weights or the function count: a preset and the architecture derived from the
+    # same model's HF config differ in name, vocab padding rule and position limit, and load each other's weights.
+    diff = {k: (v, arch[k]) for k, v in meta.get("arch", {}).items() if k in SHAPE_FIELDS and k in arch and arch[k] != v}
     if diff:
         raise ValueError(f"{ckpt} holds another architecture; (checkpoint, learner) values: {diff}")
     metadata = _sharding_metadata(distopt)

@@ -1,0 +1,175 @@
+"""`megatron-rl plan`: shipped configs pass for their stated allocation, broken layouts fail with named codes,
+and the memory/traffic formulas agree with what the code actually builds and writes."""
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.cli import main
+from megatron_rl.config import load_config
+from megatron_rl.plan import PlanOptions, make_plan
+from megatron_rl.plan import memory
+from megatron_rl.plan.checks import CODES
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+SHIPPED = ["qwen3_8b_fp8_grpo.yaml", "qwen3_14b_fp8_dapo.yaml", "qwen3_32b_fp8_dapo.yaml"]
+
+
+def stated_allocation(config: Path) -> dict:
+    """The `# plan: --nodes N --gpus-per-node G --gpu X` line each shipped GPU config carries."""
+    line = next(line for line in config.read_text().splitlines() if line.startswith("# plan:"))
+    args = shlex.split(line.split(":", 1)[1])
+    return {"nodes": int(args[args.index("--nodes") + 1]), "gpus_per_node": int(args[args.index("--gpus-per-node") + 1]),
+            "gpu": args[args.index("--gpu") + 1], "engine_nodes": int(args[args.index("--engine-nodes") + 1])}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_pass_for_their_stated_allocation(name):
+    alloc = stated_allocation(CONFIGS / name)
+    engine_nodes = alloc.pop("engine_nodes")
+    plan = make_plan(load_config(CONFIGS / name), **alloc, options=PlanOptions(engine_nodes=engine_nodes))
+    assert plan.ok, plan.findings
+    assert plan.codes("warning") == [], plan.findings
+    lay = plan.layout
+    assert lay.engine_gpus == lay.engine_nodes * lay.gpus_per_node == engine_nodes * 8, "engine nodes are fully used"
+    assert lay.learner_gpus + lay.engine_gpus == alloc["nodes"] * alloc["gpus_per_node"]
+    assert plan.learner_memory.total() < 80e9 and plan.step_time.total > 0
+
+
+def _plan(overrides=(), config="qwen3_8b_fp8_grpo.yaml", nodes=2, gpus=8, gpu="h100", engine_nodes=1):
+    return make_plan(load_config(CONFIGS / config, list(overrides)), nodes, gpus, gpu, PlanOptions(engine_nodes=engine_nodes))
+
+
+BROKEN = {
+    "heads-not-divisible-by-tp": dict(overrides=["parallel.tensor_model_parallel_size=3", "parallel.sequence_parallel=false"], nodes=4),
+    "query-groups-not-divisible-by-tp": dict(overrides=["parallel.tensor_model_parallel_size=16"], nodes=3),
+    "ffn-not-divisible-by-tp": dict(overrides=["model.ffn_hidden_size=12289"]),
+    "vocab-not-divisible-by-tp": dict(overrides=["parallel.tensor_model_parallel_size=3", "model.num_attention_heads=48",
+                                                 "model.num_query_groups=12"], nodes=4),
+    "layers-not-divisible-by-pipeline": dict(overrides=["parallel.pipeline_model_parallel_size=5"], nodes=6),
+    "too-few-microbatches-for-vpp": dict(overrides=["parallel.pipeline_model_parallel_size=2",
+                                                    "parallel.virtual_pipeline_model_parallel_size=2",
+                                                    "train.micro_batch_size=256"]),
+    "no-gpus-for-learner": dict(nodes=1),
+    "learner-gpus-not-divisible": dict(config="qwen3_32b_fp8_dapo.yaml", nodes=5, engine_nodes=2),
+    "engines-exceed-allocation": dict(overrides=["rollout.num_engines=100"]),
+    "engine-tp-exceeds-node": dict(overrides=["rollout.num_engines=1", "rollout.engine_tp_size=16"], nodes=3),
+    "engine-heads-not-divisible": dict(overrides=["rollout.num_engines=2", "rollout.engine_tp_size=3"]),
+    "batch-does-not-split": dict(nodes=4),  # DP 12: 2048 samples do not split into 12 x 4 mini-batches x 2
+    "sequence-exceeds-max-seq-len": dict(overrides=["rollout.sampling.max_new_tokens=16000"]),
+    "fp8-gemm-misaligned": dict(overrides=["model.ffn_hidden_size=12296"]),
+    "learner-out-of-memory": dict(config="qwen3_32b_fp8_dapo.yaml", overrides=["parallel.tensor_model_parallel_size=1",
+                                                                                "parallel.pipeline_model_parallel_size=1",
+                                                                                "parallel.sequence_parallel=false"], nodes=6, engine_nodes=2),
+    "engine-weights-exceed-pool": dict(config="qwen3_32b_fp8_dapo.yaml", overrides=["rollout.engine_tp_size=1",
+                                                                                     "precision.rollout_quantization=none", "rollout.mem_fraction_static=0.7"], nodes=6,
+                                       engine_nodes=2),
+    "kv-cache-below-one-sequence": dict(overrides=["rollout.mem_fraction_static=0.12"]),
+    "colocated-out-of-memory": dict(overrides=["rollout.placement=colocated"], nodes=1),
+}
+WARNINGS = {
+    "engine-gpus-idle": dict(overrides=["rollout.num_engines=7"]),
+    "kv-cache-limits-concurrency": dict(overrides=["rollout.concurrency=128"]),
+    "learner-needs-recompute": dict(overrides=["train.micro_batch_size=4"]),
+}
+
+
+@pytest.mark.parametrize("code", sorted(BROKEN))
+def test_each_broken_layout_is_named(code):
+    plan = _plan(**BROKEN[code])
+    assert code in plan.codes("error"), [f"{f.level}:{f.code}" for f in plan.findings]
+    assert not plan.ok
+
+
+@pytest.mark.parametrize("code", sorted(WARNINGS))
+def test_wasteful_layouts_warn(code):
+    plan = _plan(**WARNINGS[code])
+    assert plan.ok and code in plan.codes("warning"), plan.findings
+
+
+def test_every_code_is_exercised():
+    assert set(BROKEN) | set(WARNINGS) | {"embedded-engines", "distributed-optimizer-off", "sequence-padding"} == set(CODES)
+
+
+def test_cli_exit_status_json_and_report(capsys):
+    config = str(CONFIGS / "qwen3_8b_fp8_grpo.yaml")
+    assert main(["plan", config, "--nodes", "1"]) == 2
+    assert "no-gpus-for-learner" in capsys.readouterr().out
+    assert main(["plan", config, "--nodes", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["layout"]["dp"] == 4 and data["step_time"]["total"] > 0
+    assert main(["plan", config, "--nodes", "2", "--gpu", "b200"]) == 0
+    assert main(["plan", config, "--nodes", "2", "--engine-nodes", "2"]) == 2  # both nodes to engines: none left
+    out = capsys.readouterr().out
+    assert "Korthikanti" in out and "Kaplan" in out and "result: OK" in out
+
+
+def test_parameter_counts_match_the_architecture_formula():
+    from megatron_rl.models.presets import PRESETS
+
+    for arch in PRESETS.values():
+        first, last = memory.stage_params(arch, tp=1, pp=1)
+        assert first == last and first.total == arch.num_parameters(), arch.name
+
+
+def test_weights_gradients_optimizer_follow_megatrons_table():
+    """bf16 params + fp32 grads: 18 bytes/param, distributed 6 + 12/d (megatron dist_optimizer.md)."""
+    from megatron_rl.models.presets import PRESETS
+
+    arch = PRESETS["qwen3-8b"]
+    kw = dict(tp=1, pp=1, vpp=None, cp=1, sp=False, params_dtype="bf16", recipe="none", fp8_params=False, seq_len=1024,
+              micro_batch_size=1, num_microbatches=1, logprob_chunk=1024, kl_reference=False, overhead_bytes=0)
+    n = arch.num_parameters()
+    plain = memory.learner_memory(arch, dp=4, distributed_optimizer=False, **kw)
+    dist = memory.learner_memory(arch, dp=4, distributed_optimizer=True, **kw)
+    assert plain.weights + plain.gradients + plain.optimizer == 18 * n
+    assert dist.weights + dist.gradients + dist.optimizer == 6 * n + 12 * n // 4
+
+
+def test_activation_formula_scales_as_expected():
+    from megatron_rl.models.presets import PRESETS
+
+    arch = PRESETS["qwen3-8b"]
+    one = memory.layer_activation_bytes(arch, 4096, 1, tp=1, sp=False, fp8=False)
+    assert memory.layer_activation_bytes(arch, 4096, 2, tp=1, sp=False, fp8=False) == 2 * one
+    assert memory.layer_activation_bytes(arch, 2048, 2, tp=1, sp=False, fp8=False) == one
+    assert memory.layer_activation_bytes(arch, 4096, 1, tp=2, sp=True, fp8=False) == one // 2
+    assert memory.layer_activation_bytes(arch, 4096, 1, tp=1, sp=False, fp8=True) < one
+    assert memory.inflight_factor(4, None, 16) == 4 and memory.inflight_factor(4, 2, 16) == 4 * (1 + 3 / 8)
+
+
+def test_weight_sync_bytes_equal_the_checkpoints_actually_written(tmp_path):
+    """The plan's served-checkpoint size is the byte count hf-to-fp8 writes (dims multiples of 128) and of the BF16 export."""
+    from convert_models import make_hf_model
+    from megatron_rl.convert.safetensors_io import iter_hf_tensors
+    from megatron_rl.models.hf_arch import architecture_from_hf, read_hf_config
+    from megatron_rl.plan.throughput import weight_sync_bytes
+
+    make_hf_model("qwen3", tmp_path / "hf", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256)
+    assert main(["convert", "hf-to-fp8", str(tmp_path / "hf"), str(tmp_path / "fp8")]) == 0
+    arch = architecture_from_hf(read_hf_config(tmp_path / "hf"))
+    size = lambda d: sum(t.numel() * t.element_size() for _, t in iter_hf_tensors(d))  # noqa: E731
+    assert weight_sync_bytes(arch, fp8=True) == size(tmp_path / "fp8")
+    assert weight_sync_bytes(arch, fp8=False) == size(tmp_path / "hf")
+
+
+def test_options_change_the_estimate_as_stated():
+    cfg = load_config(CONFIGS / "qwen3_8b_fp8_grpo.yaml")
+    base = make_plan(cfg, 2, 8, "h100")
+    faster = make_plan(cfg, 2, 8, "h100", PlanOptions(mfu=0.8))
+    assert faster.step_time.learner == pytest.approx(base.step_time.learner / 2)
+    stated = make_plan(cfg, 2, 8, "h100", PlanOptions(decode_tokens_per_s=1000.0))
+    assert stated.decode_tokens_per_s == 1000.0
+    assert make_plan(cfg, 2, 8, "h200").engine_memory.kv_capacity_tokens > base.engine_memory.kv_capacity_tokens
+
+
+def test_sglang_default_memory_fraction_follows_its_heuristic():
+    """ServerArgs (sglang 0.5.8): H100 80 GB, TP1 -> (M - max(512 + 1.5*8192 + 2*256 + 128, 10240)) / M MiB."""
+    m = 80 * 10**9 / 2**20
+    assert memory.sglang_default_mem_fraction(80 * 10**9, 1) == round((m - (512 + 12288 + 512 + 128)) / m, 3)
+    assert memory.sglang_default_mem_fraction(180 * 10**9, 8) < memory.sglang_default_mem_fraction(180 * 10**9, 1)
+    plan = _plan(["rollout.mem_fraction_static=null"])
+    assert plan.engine_memory.pool == int(memory.sglang_default_mem_fraction(80 * 10**9, 1) * 80 * 10**9)
