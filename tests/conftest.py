@@ -97,7 +97,9 @@ def _helpers_ending_with_pytest() -> set[int]:
     """Pids of this process's own process-wide helpers, which end with it, so are not left behind by a test:
     its multiprocessing resource tracker (exits when pytest closes its pipe), multiprocessing Manager servers
     it started (Python's exit handlers shut them down; megatron-core's checkpoint writer keeps one for the life
-    of the process that saved), and megatron_rl's child reaper (exits with the process it watches)."""
+    of the process that saved), megatron_rl's child reaper (exits with the process it watches), and torch's
+    torch_shm_manager (started by the first shared-memory tensor under the file_system strategy, as the tensor
+    weight-sync transport makes; it exits when its last client disconnects, even after a SIGKILL)."""
     import multiprocessing
     from multiprocessing import resource_tracker
 
@@ -105,6 +107,12 @@ def _helpers_ending_with_pytest() -> set[int]:
     tracker = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
     if tracker:
         pids.add(tracker)
+    try:
+        import psutil
+
+        pids.update(c.pid for c in psutil.Process().children() if c.name() == "torch_shm_manager")
+    except Exception:  # psutil missing or the helper just exited: nothing to exempt
+        pass
     reaper = sys.modules.get("megatron_rl.child_reaper")
     if reaper is not None and hasattr(reaper, "reaper_pid") and reaper.reaper_pid():
         pids.add(reaper.reaper_pid())
