@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from megatron_rl.config.base import StrictConfig
 
@@ -80,8 +80,10 @@ class CalibrationConfig(StrictConfig):
     """Run the high-precision shadow forwards every this many steps (paper: 20)."""
     smoothing: float = 0.5
     """EMA weight of the previous bound: new = smoothing * old + (1 - smoothing) * solved (0 = no smoothing)."""
-    bounds_update: Literal["per_calibration", "per_microbatch"] = "per_calibration"
-    """per_calibration: solve L, H on calibration micro-batches and hold them; per_microbatch: re-solve on every micro-batch at the stored targets."""
+    bounds_update: Literal["per_calibration", "per_minibatch"] = "per_calibration"
+    """per_calibration (paper): one pooled solve per calibration step, held until the next; per_minibatch: also re-solve before every off-policy mini-batch from a no-grad FP8 pre-pass."""
+    relax_only: bool = True
+    """Guard rail: calibration only relaxes the bounds (L <= 1 - eps_low, H >= 1 + eps_high); false allows tightening."""
     target_source: Literal["shadow", "static"] = "shadow"
     """shadow: alpha and rho from the high-precision shadow pass; static: alpha and rho from this config."""
     static_alpha: Optional[float] = None
@@ -89,7 +91,7 @@ class CalibrationConfig(StrictConfig):
     static_rho: Optional[float] = None
     """rho (positive/negative contribution ratio) when target_source=static."""
     shadow_fraction: float = 1.0
-    """Fraction of micro-batches of a calibration step that run the shadow forward (same draw on every rank)."""
+    """Fraction of the step's rows that run the high-precision shadow forwards and feed the calibration solve (same seeded draw on every rank)."""
     backend: Literal["allgather", "histogram"] = "allgather"
     """Distributed statistics backend: allgather (exact unless subsampled) or histogram (one all-reduce)."""
     max_samples_per_rank: int = 65536
@@ -110,6 +112,15 @@ class CalibrationConfig(StrictConfig):
     """Clamp: largest allowed calibrated upper bound H."""
     seed: int = 0
     """Seed of the shadow_fraction draws and of the allgather subsampling."""
+
+    @field_validator("bounds_update", mode="before")
+    @classmethod
+    def _removed_modes(cls, value: object) -> object:
+        if value == "per_microbatch":
+            raise ValueError("algo.calibration.bounds_update=per_microbatch was removed (it solved on one micro-batch's "
+                             "tokens); use per_minibatch (a pooled solve before every off-policy mini-batch) or "
+                             "per_calibration (the paper's default)")
+        return value
 
     @model_validator(mode="after")
     def _validate(self) -> "CalibrationConfig":

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import yaml
-from pydantic import ValidationError
+from pydantic import ValidationError, model_validator
 
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.config.base import StrictConfig
@@ -55,6 +55,16 @@ class RunConfig(StrictConfig):
     """Distributed checkpoints and resume."""
     tracking: TrackingConfig = TrackingConfig()
     """Metrics outputs."""
+
+    @model_validator(mode="after")
+    def _calibration_needs_off_policy_update(self) -> "RunConfig":
+        # the first update of a step is on-policy (ratio 1 in high precision): nothing to calibrate on
+        updates = self.train.num_minibatches * self.train.ppo_epochs
+        if self.algo.calibration.enabled and updates < 2:
+            raise ValueError(
+                f"algo.calibration.enabled needs an off-policy update: train.num_minibatches * train.ppo_epochs "
+                f"= {self.train.num_minibatches} * {self.train.ppo_epochs} = {updates}, must be >= 2")
+        return self
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:

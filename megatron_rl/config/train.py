@@ -77,6 +77,8 @@ class TrackingConfig(StrictConfig):
     """Show a progress bar on the controller."""
     log_samples: int = 2
     """Completions printed to the sample log per step."""
+    dump_ratios: bool = False
+    """On calibration steps write <run_dir>/calibration/step_N.rankR.npz: the tokens of the calibration solve (FP8 and high-precision ratios, advantages, mini-batch)."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrackingConfig":

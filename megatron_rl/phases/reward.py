@@ -15,10 +15,10 @@ def score(batch: RolloutBatch, reward_fn: RewardFn, algo: AlgoConfig, max_new_to
     for s in batch.samples:
         s.reward, s.correct = reward_fn(s.response_text, s.answer)
         s.reward = float(s.reward)
-    raw = torch.tensor([s.reward for s in batch.samples], dtype=torch.float64)
+    raw = torch.tensor([s.reward for s in batch.samples], dtype=torch.float64)  # device-ok: host-side rewards
     d = algo.dapo
     if d.overlong_buffer > 0:
-        lengths = torch.tensor([len(s.response_ids) for s in batch.samples], dtype=torch.float64)
+        lengths = torch.tensor([len(s.response_ids) for s in batch.samples], dtype=torch.float64)  # device-ok: host-side
         penalty = overlong_penalty(lengths, d.max_response_length or max_new_tokens, d.overlong_buffer, d.overlong_penalty_factor)
         for s, p in zip(batch.samples, penalty.tolist()):
             s.reward += p
@@ -32,7 +32,7 @@ def score(batch: RolloutBatch, reward_fn: RewardFn, algo: AlgoConfig, max_new_to
 
 def advantages(batch: RolloutBatch, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Per-sample advantages and a keep-mask (DAPO dynamic sampling zeroes groups with no reward spread)."""
-    rewards = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)
+    rewards = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)  # device-ok: host-side rewards
     n = batch.n_per_prompt
     a = algo.advantage
     adv = compute_advantages(rewards, n, a.estimator, std_eps=a.std_eps, unbiased_std=a.unbiased_std)
@@ -40,5 +40,5 @@ def advantages(batch: RolloutBatch, algo: AlgoConfig) -> tuple[torch.Tensor, tor
     if algo.dapo.dynamic_sampling:
         keep = expand_group_mask(dynamic_sampling_keep(rewards, n), n)
     groups = rewards.view(-1, n)
-    solved = (groups.std(dim=1) == 0).float().mean() if n > 1 else torch.tensor(1.0)
+    solved = (groups.std(dim=1) == 0).float().mean() if n > 1 else torch.tensor(1.0)  # device-ok: host-side metric
     return adv * keep, keep, {"adv/abs_mean": float(adv.abs().mean()), "groups/no_spread_frac": float(solved), "samples/kept_frac": float(keep.float().mean())}
