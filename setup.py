@@ -28,11 +28,11 @@ setup(
         "tqdm>=4.66",
         "tensorboard>=2.15",
         "numpy>=1.26",
+        "matplotlib>=3.8",
     ],
     extras_require={
         "router": ["sglang-router>=0.2"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "sglang-router>=0.2"],
-        "plots": ["matplotlib>=3.8"],
         "gpu": ["transformer-engine[pytorch]>=2.4"],
         "sglang": ["sglang>=0.5"],
     },
