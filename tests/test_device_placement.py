@@ -63,12 +63,19 @@ fake_mode = pytest.importorskip("torch._subclasses.fake_tensor")
 
 @pytest.fixture
 def cuda_fake():
-    """A FakeTensorMode in which `torch.empty(..., device='cuda')` works without CUDA."""
-    with fake_mode.FakeTensorMode(allow_non_fake_inputs=False) as mode:
+    """A FakeTensorMode in which `torch.empty(..., device='cuda')` works without CUDA.
+
+    The megatron CPU compatibility layer (installed by any earlier learner test in this process) maps
+    device="cuda" to cpu; it is suspended for the test.
+    """
+    from megatron_rl.parallel.compat import compat_mode_suspended
+
+    with compat_mode_suspended(), fake_mode.FakeTensorMode(allow_non_fake_inputs=False) as mode:
         try:
-            torch.empty(1, device="cuda")
+            probe = torch.empty(1, device="cuda")
         except Exception as exc:  # pragma: no cover - depends on the torch build
             pytest.skip(f"CUDA fake tensors unavailable on this build: {exc}")
+        assert probe.device.type == "cuda"
         yield mode
 
 
