@@ -213,14 +213,12 @@ class RatioStats:
     def dump_arrays(self) -> dict[str, np.ndarray]:
         """The recorded tokens as numpy arrays: ratio, ratio_hp (float64; nan where not collected), adv (float64), minibatch (int64)."""
         recs = self.records or []
-
-        def cat(key: str, dtype) -> np.ndarray:
-            vals = [r[key].detach().to("cpu", torch.float64 if dtype is np.float64 else torch.int64) if key in r
-                    else torch.full_like(r["adv"], math.nan, dtype=torch.float64, device="cpu") for r in recs]
-            return torch.cat(vals).numpy().astype(dtype) if vals else np.zeros(0, dtype=dtype)
-
-        return {"ratio": cat("ratio", np.float64), "ratio_hp": cat("ratio_hp", np.float64),
-                "adv": cat("adv", np.float64), "minibatch": cat("minibatch", np.int64)}
+        host = lambda t, dt: t.detach().to("cpu", dt)  # noqa: E731
+        out = {}
+        for key, dt in (("ratio", torch.float64), ("ratio_hp", torch.float64), ("adv", torch.float64), ("minibatch", torch.int64)):
+            parts = [host(r[key], dt) if key in r else torch.full_like(host(r["adv"], dt), math.nan) for r in recs]
+            out[key] = torch.cat(parts).numpy() if parts else np.zeros(0, dtype=np.int64 if dt == torch.int64 else np.float64)
+        return out
 
 
 def reference_targets(ratio_hp: torch.Tensor, adv: torch.Tensor, *, eps_low: float, eps_high: float,

@@ -77,9 +77,9 @@ class CalibrationConfig(StrictConfig):
     upper: Literal["match_contribution", "log_scale", "fixed"] = "match_contribution"
     """Upper-bound rule: match_contribution (paper default), log_scale, or fixed (1 + eps_high)."""
     calibrate_every: int = 20
-    """Run the high-precision shadow forwards every this many steps (paper: 20)."""
+    """A calibration event every this many steps (paper: 20): shadow forwards, one pooled solve at the end of the step, bounds held from the next step."""
     smoothing: float = 0.5
-    """EMA weight of the previous bound: new = smoothing * old + (1 - smoothing) * solved (0 = no smoothing)."""
+    """EMA weight of the held bound, once per calibration event: new = smoothing * old + (1 - smoothing) * solved (per_minibatch pre-pass solves apply unsmoothed)."""
     bounds_update: Literal["per_calibration", "per_minibatch"] = "per_calibration"
     """per_calibration (paper): one pooled solve per calibration step, held until the next; per_minibatch: also re-solve before every off-policy mini-batch from a no-grad FP8 pre-pass."""
     relax_only: bool = True

@@ -35,6 +35,7 @@ from megatron_rl.algo.calibration import BoundsSolution
 from megatron_rl.algo.calibration_plan import CalibrationPlan
 from megatron_rl.algo.clipper import CalibratedClipper
 from megatron_rl.algo.losses import log_ratio
+from megatron_rl.config import RunConfig
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import share_from_last_stage
 from megatron_rl.phases import logprobs
@@ -50,7 +51,7 @@ def dump_path(run_dir: str | Path, step: int, rank: int) -> Path:
 class StepCalibration:
     """The clipper's part of one RL step (a no-op when calibration is off)."""
 
-    def __init__(self, clipper: Optional[CalibratedClipper], plan: CalibrationPlan, cfg, run_dir: str | Path) -> None:
+    def __init__(self, clipper: Optional[CalibratedClipper], plan: CalibrationPlan, cfg: RunConfig, run_dir: str | Path) -> None:
         """Start the step's pooled statistics when the plan says this step is a calibration event."""
         self.clipper, self.plan = clipper, plan
         self.micro_batch_size = cfg.train.micro_batch_size
