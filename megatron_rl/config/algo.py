@@ -95,7 +95,7 @@ class CalibrationConfig(StrictConfig):
     backend: Literal["allgather", "histogram"] = "allgather"
     """Distributed statistics backend: allgather (exact unless subsampled) or histogram (one all-reduce)."""
     max_samples_per_rank: int = 65536
-    """allgather: each rank contributes at most this many (ratio, advantage) pairs (uniform subsample beyond)."""
+    """allgather: each rank contributes at most this many (ratio, advantage) pairs to a solve (uniform subsample beyond; the dumps then hold more than the solve saw)."""
     hist_bins: int = 8192
     """histogram: number of bins over log r (plus one underflow and one overflow bin)."""
     hist_log_min: float = -4.0
