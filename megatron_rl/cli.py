@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 -m megatron_rl.cli train CONFIG parallel.tensor_model_parallel_size=2
     megatron-rl sft CONFIG          # supervised warm start only
     megatron-rl serve --model-path DIR --port 30000   # embedded SGLang-protocol rollout server
+    megatron-rl engines CONFIG [overrides]            # this node's engines (+ router): print URLs, block until killed
     megatron-rl data CONFIG         # write the synthetic task's JSONL + tokenizer
     megatron-rl convert hf-to-fp8 SRC DST             # FP8 blockwise HF checkpoint for SGLang
     megatron-rl convert hf-to-megatron SRC DST --config CONFIG   # reshardable torch_dist checkpoint
@@ -84,6 +85,17 @@ def _print_fields(model, prefix: str) -> None:
             print(f"{prefix}{name} = {field.default!r}  # {field.description or ''}")
 
 
+def cmd_engines(args) -> int:
+    """Start this node's rollout engines (rollout.engine embedded|sglang, + router when rollout.use_router), print their URLs, block until killed."""
+    from megatron_rl.rollout.node import serve_engines
+
+    try:
+        return serve_engines(_load(args), model_path=args.model_path, urls_file=args.urls_file)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def cmd_convert(args) -> int:
     """Checkpoint conversion: hf-to-fp8 (blockwise FP8 HF checkpoint), hf-to-megatron (torch_dist checkpoint)."""
     from megatron_rl.tools_convert import hf_to_fp8, hf_to_megatron
@@ -126,6 +138,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _add_config_args(p)
     p.add_argument("--fields", action="store_true", help="list every config field with its documentation")
     p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("engines", help=cmd_engines.__doc__)
+    _add_config_args(p)
+    p.add_argument("--model-path", default=None, help="HF model directory the engines start from (default: model.init_checkpoint)")
+    p.add_argument("--urls-file", default=None, help="also write the URLs as JSON {generate: [...], workers: [...]} here")
+    p.set_defaults(fn=cmd_engines)
     p = sub.add_parser("convert", help=cmd_convert.__doc__)
     p.add_argument("kind", choices=["hf-to-fp8", "hf-to-megatron"])
     p.add_argument("src")

@@ -103,29 +103,32 @@ def make_clipper(cfg: RunConfig) -> Optional[CalibratedClipper]:
 
 
 def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
-    """(cluster, client, transport) on the controller: embedded engines or external URLs."""
+    """(cluster, client, transport) on the controller: engines we start (embedded or SGLang) or external URLs.
+
+    Generation goes to the router (or is spread over the engines); weights go to the engines only,
+    through a transport whose targets are health-checked before every push (rollout/topology.py).
+    """
     from megatron_rl.rollout.client import RolloutClient
-    from megatron_rl.rollout.launcher import launch_engines
+    from megatron_rl.rollout.launcher import launch_from_config
     from megatron_rl.rollout.sync import get_transport
+    from megatron_rl.rollout.topology import EnginePool, PooledTransport, resolve_external
 
     r = cfg.rollout
     cluster = None
-    if r.engine == "embedded":
-        cluster = launch_engines(
-            hf_dir, r.num_engines, tokenizer_path=hf_dir, host=r.host, base_port=r.base_port,
-            random_seed=r.seed, use_router=r.use_router, router_policy=r.router_policy,
-            startup_timeout_s=r.startup_timeout_s, log_dir=str(run_dir / "logs"),
-            deterministic=r.deterministic_inference,
-        )
-        gen_urls, worker_urls = cluster.generate_urls, cluster.worker_urls
+    sync_dir = r.sync_dir or str(run_dir / "weights")
+    if r.engine == "external":
+        gen_urls, worker_urls = resolve_external(r.urls, r.weight_update_urls)
     else:
-        gen_urls = worker_urls = list(r.urls)
+        cluster = launch_from_config(r, hf_dir, tokenizer_path=hf_dir, log_dir=str(run_dir / "logs"),
+                                     precision=cfg.precision, launch_dir=sync_dir)
+        gen_urls, worker_urls = cluster.generate_urls, cluster.worker_urls
     client = RolloutClient.from_config(r, gen_urls)
     client.wait_until_healthy_sync(r.startup_timeout_s)
     transport_cls = get_transport(r.weight_sync)
-    transport = transport_cls(r.sync_dir or str(run_dir / "weights"), hf_dir, worker_urls,
-                              client=RolloutClient.from_config(r, worker_urls))
-    return cluster, client, transport
+    transport = transport_cls(sync_dir, hf_dir, worker_urls, client=RolloutClient.from_config(r, worker_urls))
+    pool = EnginePool(worker_urls, cluster, restart=r.restart_dead_engines,
+                      generation_client=client if len(gen_urls) > 1 else None)
+    return cluster, client, PooledTransport(transport, pool)
 
 
 def check_external_rollout(cfg: RunConfig) -> None:
@@ -138,6 +141,20 @@ def check_external_rollout(cfg: RunConfig) -> None:
         raise RolloutServerError(f"{exc} (rollout.engine=external: start the servers first or fix rollout.urls)") from None
 
 
+def check_rollout_engines(cfg: RunConfig) -> None:
+    """Fail fast, before any warm start or model build: external servers answer and no weight target is a router; SGLang can start here."""
+    if cfg.rollout.engine == "external":
+        from megatron_rl.rollout.topology import resolve_external
+
+        check_external_rollout(cfg)
+        resolve_external(cfg.rollout.urls, cfg.rollout.weight_update_urls)
+    elif cfg.rollout.engine == "sglang":
+        from megatron_rl.rollout.sglang_launcher import check_sglang_python, engine_gpu_groups, learner_local_gpus, visible_gpu_count
+
+        engine_gpu_groups(cfg.rollout, visible_gpu_count(), learner_local_gpus())
+        check_sglang_python(cfg.rollout.sglang_python)
+
+
 def open_session(cfg: RunConfig) -> RunSession:
     """Build the whole run; resumes from the newest checkpoint of run_dir when cfg.checkpoint.resume."""
     from megatron_rl.trainer.learner import Learner
@@ -146,8 +163,8 @@ def open_session(cfg: RunConfig) -> RunSession:
     run_dir = Path(cfg.run_dir)
     state.init_distributed(cfg.parallel, cfg.train.seed)
     seed_everything(cfg.train.seed)
-    if cfg.rollout.engine == "external" and state.is_controller():
-        check_external_rollout(cfg)
+    if state.is_controller():
+        check_rollout_engines(cfg)
     if state.is_controller():
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, run_dir / "config.yaml")

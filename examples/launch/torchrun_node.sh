@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Launch the learner ranks of one node with torchrun (rank 0 of node 0 is the controller).
 # Usage: NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 bash examples/launch/torchrun_node.sh CONFIG [overrides]
-# The rollout engines (sglang.launch_server --quantization fp8 ... behind sglang_router.launch_router)
-# run separately; point rollout.urls at the router.
+# The rollout engines run separately: `megatron-rl engines CONFIG` on each rollout node starts its SGLang
+# servers (+ sglang-router) and prints their URLs; point rollout.urls at the router.
 set -euo pipefail
 config=$1; shift
 # FP8 policy settings TE reads at import time come from the policy itself, never set deep in code.

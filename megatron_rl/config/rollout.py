@@ -26,20 +26,36 @@ class SamplingConfig(StrictConfig):
 class RolloutConfig(StrictConfig):
     """Where rollouts come from and how the trainer talks to the engines."""
 
-    engine: Literal["embedded", "external"] = "embedded"
-    """embedded: start CPU rollout servers speaking the SGLang protocol; external: use `urls` (real SGLang)."""
+    engine: Literal["embedded", "sglang", "external"] = "embedded"
+    """embedded: start CPU rollout servers speaking the SGLang protocol; sglang: launch real SGLang servers on this node's free GPUs; external: use already running servers at `urls`."""
     urls: list[str] = []
-    """Engine (or router) base URLs when engine=external."""
+    """Generation endpoint(s) when engine=external: one sglang-router, or the engines themselves (requests are spread over them)."""
+    weight_update_urls: list[str] = []
+    """Engines that receive weight updates when engine=external (never a router); empty = the router's worker list, or `urls` when those are engines."""
     num_engines: int = 1
-    """Embedded engines to start."""
+    """Engines (SGLang servers) to start on this node when engine=embedded or sglang."""
+    engine_tp_size: int = 1
+    """Tensor-parallel GPUs per SGLang engine (--tp-size)."""
+    engine_dp_size: int = 1
+    """Data-parallel replicas inside one SGLang engine (--dp-size); GPUs used = num_engines * engine_tp_size * engine_dp_size."""
+    engine_gpus: list[int] = []
+    """CUDA device indices of this node for the SGLang engines, in order (empty = the GPUs after the learner's local ranks)."""
+    sglang_python: str = "python"
+    """Python executable of the environment SGLang is installed in (engine=sglang; SGLang pins its own torch)."""
+    sglang_args: list[str] = []
+    """Extra `sglang.launch_server` flags appended verbatim to every engine's command line."""
+    mem_fraction_static: Optional[float] = None
+    """Fraction of GPU memory SGLang reserves for weights and KV cache (--mem-fraction-static; None = SGLang's default)."""
     use_router: bool = False
-    """Put the real sglang-router in front of the engines."""
+    """Put the real sglang-router in front of the engines we start."""
     router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "round_robin"
     """sglang-router load-balancing policy."""
     host: str = "127.0.0.1"
-    """Bind address of embedded engines (loopback)."""
+    """Bind address of the engines and router we start (loopback; 0.0.0.0 to serve other nodes)."""
     base_port: int = 0
-    """First port of embedded engines (0 = pick free ports)."""
+    """First port of the engines we start (engine i: base_port + i, router: base_port + num_engines; 0 = free ports)."""
+    restart_dead_engines: bool = True
+    """Restart an engine this run started that died, before the next weight sync (it then gets the new weights); external engines are dropped from the weight-sync targets."""
     n_samples_per_prompt: int = 8
     """GRPO group size n."""
     sampling: SamplingConfig = SamplingConfig()
@@ -61,12 +77,40 @@ class RolloutConfig(StrictConfig):
     seed: int = 0
     """Base random seed of the engines (sampling_seed per request derives from it)."""
     deterministic_inference: bool = True
-    """Batch-invariant rollouts: embedded engines generate each prompt's request alone, so samples depend only on (weights, prompt, seed), never on co-batched requests (needed for exact resume and DP/TP-invariant runs); external SGLang servers need --enable-deterministic-inference."""
+    """Batch-invariant rollouts: embedded engines generate each prompt's request alone, so samples depend only on (weights, prompt, seed), never on co-batched requests (needed for exact resume and DP/TP-invariant runs); SGLang engines we launch get --enable-deterministic-inference (external ones must be started with it)."""
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
         if self.engine == "external" and not self.urls:
             raise ValueError("rollout.urls must list at least one URL when rollout.engine=external")
+        if self.engine != "external" and (self.urls or self.weight_update_urls):
+            raise ValueError(f"rollout.urls / rollout.weight_update_urls are for engine=external; engine={self.engine} "
+                             "starts its own engines")
+        for name in ("urls", "weight_update_urls"):
+            for u in getattr(self, name):
+                if not u.startswith(("http://", "https://")):
+                    raise ValueError(f"rollout.{name}: {u!r} is not an http(s) URL")
+        for name in ("engine_tp_size", "engine_dp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1")
+        if self.engine == "embedded" and (self.engine_tp_size, self.engine_dp_size) != (1, 1):
+            raise ValueError("rollout.engine_tp_size / engine_dp_size apply to engine=sglang (embedded engines are single CPU processes)")
+        if self.engine == "embedded" and (self.mem_fraction_static is not None or self.sglang_args):
+            raise ValueError("rollout.mem_fraction_static / sglang_args apply to SGLang engines, not engine=embedded")
+        if self.engine_gpus:
+            if self.engine != "sglang":
+                raise ValueError("rollout.engine_gpus applies to engine=sglang")
+            need = self.num_engines * self.engine_tp_size * self.engine_dp_size
+            if len(self.engine_gpus) != need or len(set(self.engine_gpus)) != need or min(self.engine_gpus) < 0:
+                raise ValueError(f"rollout.engine_gpus must list {need} distinct GPU indices "
+                                 "(num_engines * engine_tp_size * engine_dp_size)")
+        if self.use_router and self.router_policy == "power_of_two" and self.engine != "external" and self.num_engines < 2:
+            raise ValueError("rollout.router_policy=power_of_two needs rollout.num_engines >= 2 (sglang-router refuses "
+                             "to start it with one worker)")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("rollout.mem_fraction_static must be in (0, 1)")
+        if self.base_port < 0 or self.base_port + self.num_engines > 65535:
+            raise ValueError("rollout.base_port must be 0 (free ports) or leave room for num_engines + 1 ports below 65536")
         if self.n_samples_per_prompt < 1:
             raise ValueError("rollout.n_samples_per_prompt must be >= 1")
         if self.num_engines < 1:

@@ -1,4 +1,4 @@
-"""Weight-sync phase: Megatron shards -> full HF-named tensors -> (FP8 blockwise) -> engines.
+"""Weight-sync phase: Megatron shards -> full HF-named tensors -> (FP8 rollout format) -> engines.
 
 Trainer and rollout quantize from identical bits: the HF tensors are exactly the learner's
 parameters (gathered, then renamed), and FP8 rollout weights are quantized from those.
@@ -22,19 +22,11 @@ def export_hf_state_dict(learner) -> Optional[dict[str, torch.Tensor]]:
 
 
 def rollout_payload(hf_sd: dict[str, torch.Tensor], precision: PrecisionConfig) -> tuple[dict[str, torch.Tensor], dict]:
-    """The tensors and config.json updates pushed to engines under the precision policy's rollout quantization."""
-    if precision.rollout_quantization == "none":
-        return hf_sd, {}
-    from megatron_rl.precision.hf_fp8 import quantization_config, quantize_state_dict
+    """The tensors and config.json updates pushed to engines under the precision policy's rollout format."""
+    from megatron_rl.precision.rollout_formats import rollout_format
 
-    if precision.rollout_quantization == "fp8-blockwise":
-        return quantize_state_dict(hf_sd, (128, 128), precision.rollout_scale_fmt), {
-            "quantization_config": quantization_config((128, 128), precision.rollout_scale_fmt)
-        }
-    raise NotImplementedError(
-        "precision.rollout_quantization=fp8-channel is served by SGLang's own --quantization fp8 on a BF16 "
-        "checkpoint; push unquantized weights (rollout_quantization=none) and launch engines with it"
-    )
+    fmt = rollout_format(precision)
+    return fmt.quantize_state_dict(hf_sd), fmt.config_updates()
 
 
 def sync_weights(learner, transport, precision: PrecisionConfig, weight_version: int) -> dict[str, float]:

@@ -71,15 +71,18 @@ def _set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -
     setattr(parent, child, module)
 
 
-def apply_fp8_state_dict(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], block: tuple[int, int] = (128, 128),
-                         act_group: int = 128) -> list[str]:
+def apply_fp8_state_dict(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+                         block: Optional[tuple[int, int]] = (128, 128), act_group: int = 128,
+                         scale_suffix: str = SCALE_SUFFIX) -> list[str]:
     """Load raw FP8-checkpoint tensors into model: quantized Linears become (or update) W8A8Linear, the rest load as is.
 
-    Returns the names of the W8A8 modules. Raises on missing or unexpected high-precision keys.
+    block=None reads per-output-channel scales [out, 1] (SGLang's w8a8_fp8 layout, scale names
+    ending in `scale_suffix`) with one dynamic activation scale per token. Returns the names of the
+    W8A8 modules. Raises on missing or unexpected high-precision keys.
     """
     converted = []
     for name, module in list(model.named_modules()):
-        scale = tensors.get(f"{name}.weight{SCALE_SUFFIX}")
+        scale = tensors.get(f"{name}.weight{scale_suffix}")
         if scale is None:
             continue
         q = tensors[f"{name}.weight"]
@@ -87,12 +90,14 @@ def apply_fp8_state_dict(model: torch.nn.Module, tensors: Mapping[str, torch.Ten
             module.set_quantized(q, scale)
         elif isinstance(module, torch.nn.Linear):
             bias = tensors.get(f"{name}.bias", module.bias)
-            new = W8A8Linear(q, scale, bias, block, act_group).to(module.weight.device)
+            in_features = q.shape[1]
+            layout = (block, act_group) if block is not None else ((1, in_features), in_features)
+            new = W8A8Linear(q, scale, bias, *layout).to(module.weight.device)
             _set_submodule(model, name, new)
         else:
             raise TypeError(f"{name} has FP8 weights but is a {type(module).__name__}, not nn.Linear")
         converted.append(name)
-    quantized = {f"{n}.weight" for n in converted} | {f"{n}.weight{SCALE_SUFFIX}" for n in converted} | {f"{n}.bias" for n in converted}
+    quantized = {f"{n}.weight" for n in converted} | {f"{n}.weight{scale_suffix}" for n in converted} | {f"{n}.bias" for n in converted}
     rest = {k: v for k, v in tensors.items() if k not in quantized}
     missing, unexpected = model.load_state_dict(rest, strict=False)
     tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()

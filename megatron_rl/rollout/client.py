@@ -2,7 +2,11 @@
 
 Never imports sglang. Every request has a timeout; connection errors, timeouts and 5xx answers
 are retried with exponential backoff, after which `RolloutServerError` names the URL and the
-last error. Async methods are the primitives; `*_sync` wrappers serve the training loop.
+last error. With several URLs (engines without a router), a /generate that fails on one engine
+is re-sent whole (same prompt, n and sampling_seed) to another live engine after one attempt,
+and an engine that refused the connection or timed out is marked dead (rollout/topology.py
+describes every layer of this). Async methods are the primitives; `*_sync` wrappers serve the
+training loop.
 
     client = RolloutClient(["http://127.0.0.1:30000"], concurrency=8)
     client.wait_until_healthy_sync(60)
@@ -16,6 +20,7 @@ import json
 import math
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Mapping, Optional, Sequence, TypeVar, Union
 
@@ -27,6 +32,15 @@ FINISH_TYPES = ("stop", "length", "abort")
 
 class RolloutServerError(RuntimeError):
     """A rollout server could not be reached, kept failing, or answered something malformed."""
+
+
+class ServerUnavailableError(RolloutServerError):
+    """A server failed every attempt with a connection error, timeout or 5xx (not a rejected request)."""
+
+    def __init__(self, message: str, engine_down: bool):
+        super().__init__(message)
+        self.engine_down = engine_down
+        """True when the last failure was a refused/broken connection or a timeout (the engine is gone or hung)."""
 
 
 @dataclass
@@ -156,6 +170,8 @@ class RolloutClient:
         self.retry_backoff_s = retry_backoff_s
         self.connect_timeout_s = min(connect_timeout_s, request_timeout_s)
         self._rr = itertools.count()
+        self.dead: set[str] = set()
+        """URLs given up on for /generate (their requests go to the other URLs)."""
 
     @classmethod
     def from_config(cls, cfg, urls: Optional[Sequence[str]] = None) -> "RolloutClient":
@@ -178,6 +194,7 @@ class RolloutClient:
         total = timeout_s or self.request_timeout_s
         timeout = aiohttp.ClientTimeout(total=total, connect=min(self.connect_timeout_s, total))
         last = "no attempt made"
+        engine_down = False
         for attempt in range(retries + 1):
             if attempt:
                 await asyncio.sleep(self.retry_backoff_s * (2 ** (attempt - 1)))
@@ -187,18 +204,60 @@ class RolloutClient:
                     if resp.status < 400:
                         return _decode(body)
                     last = f"HTTP {resp.status}: {_error_message(body)}"
+                    engine_down = False
                     if resp.status < 500 and not (retry_on_400 and resp.status == 400):
                         raise RolloutServerError(f"{method} {url}{path} failed: {last}")
             except RolloutServerError:
                 raise
             except asyncio.TimeoutError:
-                last = f"timed out after {total:g} s"
+                last, engine_down = f"timed out after {total:g} s", True
             except aiohttp.ClientError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-        raise RolloutServerError(f"{method} {url}{path} failed after {retries + 1} attempt(s); last error: {last}")
+                last, engine_down = f"{type(exc).__name__}: {exc}", True
+        raise ServerUnavailableError(f"{method} {url}{path} failed after {retries + 1} attempt(s); last error: {last}",
+                                     engine_down)
 
-    def _next_url(self) -> str:
-        return self.urls[next(self._rr) % len(self.urls)]
+    def _live(self, exclude: set[str] = frozenset()) -> list[str]:
+        """URLs not marked dead and not in `exclude`."""
+        return [u for u in self.urls if u not in self.dead and u not in exclude]
+
+    def _next_url(self, exclude: set[str] = frozenset()) -> Optional[str]:
+        """The next live URL round-robin, skipping `exclude` (None when none is left)."""
+        live = self._live(exclude)
+        return live[next(self._rr) % len(live)] if live else None
+
+    def mark_dead(self, url: str, why: str) -> None:
+        """Stop sending /generate to `url` (warns once)."""
+        url = url.rstrip("/")
+        if url in self.urls and url not in self.dead:
+            self.dead.add(url)
+            warnings.warn(f"rollout engine {url} failed ({why}); its requests go to the other engines",
+                          RuntimeWarning, stacklevel=2)
+
+    def revive(self, url: str) -> None:
+        """Send /generate to `url` again (e.g. after its engine was restarted)."""
+        self.dead.discard(url.rstrip("/"))
+
+    async def _post_generate(self, session: aiohttp.ClientSession, body: dict) -> tuple[str, Any]:
+        """POST /generate to a live URL; on an unavailable engine re-send the whole request to another one.
+
+        Each URL is tried at most once per request; the last one left gets the full retry budget.
+        """
+        tried: set[str] = set()
+        while True:
+            url = self._next_url(tried)
+            if url is None:
+                raise RolloutServerError(f"POST /generate failed on every rollout server ({sorted(tried)}; "
+                                         f"dead: {sorted(self.dead)})")
+            last_one = not self._live(tried | {url})
+            try:
+                return url, await self._request(session, url, "POST", "/generate", body,
+                                                max_retries=None if last_one else 0)
+            except ServerUnavailableError as exc:
+                if last_one:
+                    raise
+                tried.add(url)
+                if exc.engine_down:
+                    self.mark_dead(url, str(exc))
 
     # ----------------------------------------------------------------------------- generate
     @staticmethod
@@ -217,8 +276,7 @@ class RolloutClient:
         body = self._payload(input_ids, sampling_params, return_logprob, rid)
         n = int(body["sampling_params"].get("n", 1) or 1)
         async with sem:
-            url = self._next_url()
-            data = await self._request(session, url, "POST", "/generate", body)
+            url, data = await self._post_generate(session, body)
         objs = data if isinstance(data, list) else [data]
         if len(objs) != n:
             raise _bad(f"{url} returned {len(objs)} samples for n={n}")
@@ -308,12 +366,27 @@ class RolloutClient:
     async def _all_success(self, path: str, body: dict, timeout_s: Optional[float] = None) -> list[dict]:
         async with self._session() as session:
             answers = await asyncio.gather(*(self._request(session, u, "POST", path, body, timeout_s=timeout_s)
-                                             for u in self.urls))
+                                             for u in self.urls), return_exceptions=True)
+            for url, ans in zip(self.urls, answers):
+                if isinstance(ans, RolloutServerError) and "HTTP 404" in str(ans) and await self._is_router(session, url):
+                    raise RolloutServerError(f"POST {url}{path}: {url} is an sglang-router, which does not forward weight "
+                                             "updates; set rollout.weight_update_urls to its engines")
+                if isinstance(ans, BaseException):
+                    raise ans
         for url, ans in zip(self.urls, answers):
             if not isinstance(ans, dict) or not ans.get("success"):
                 msg = ans.get("message") if isinstance(ans, dict) else ans
                 raise RolloutServerError(f"POST {url}{path} did not succeed: {msg}")
         return list(answers)
+
+    async def _is_router(self, session: aiohttp.ClientSession, url: str) -> bool:
+        """Whether `url` answers sglang-router's GET /workers (engines answer 404 there)."""
+        try:
+            data = await self._request(session, url, "GET", "/workers", timeout_s=min(5.0, self.request_timeout_s),
+                                       max_retries=0)
+        except RolloutServerError:
+            return False
+        return isinstance(data, dict) and isinstance(data.get("workers"), list)
 
     async def flush_cache(self) -> None:
         """POST /flush_cache on every server (retrying while a server reports it is busy)."""

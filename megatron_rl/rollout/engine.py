@@ -193,8 +193,10 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = 
 
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model_path {path!r} is not a directory with a config.json")
-    if _is_fp8_checkpoint(path):
-        return _load_fp8_model(path, dtype)
+    from megatron_rl.precision.rollout_formats import checkpoint_format, load_quantized_model, read_config
+
+    if checkpoint_format(read_config(path)) is not None:  # FP8 rollout weights, in any registered format
+        return load_quantized_model(path, dtype)
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                        output_loading_info=True)
     if strict:
@@ -208,29 +210,6 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = 
             detail = "; ".join(f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items())
             raise ValueError(f"checkpoint {path!r} does not match its config.json ({detail})")
     return model.eval()
-
-
-def _is_fp8_checkpoint(path: str) -> bool:
-    """True when config.json declares an FP8 quantization_config (as SGLang reads it)."""
-    import json
-
-    with open(os.path.join(path, "config.json")) as f:
-        qc = json.load(f).get("quantization_config") or {}
-    return qc.get("quant_method") == "fp8"
-
-
-def _load_fp8_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
-    """Build the architecture from config.json and load the FP8 checkpoint with W8A8 emulation (strict)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from megatron_rl.precision.w8a8 import load_fp8_checkpoint_into
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    # The quantization is ours to emulate; transformers' own FP8 integration needs a GPU.
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return load_fp8_checkpoint_into(model, path).eval()
 
 
 def load_tokenizer(path: str):
@@ -278,8 +257,17 @@ class Engine:
 
     def __init__(self, model_path: str, tokenizer_path: Optional[str] = None,
                  model_loader: Optional[ModelLoader] = None, random_seed: int = 0,
-                 max_context_len: Optional[int] = None):
-        """Load the model (and tokenizer if given); `model_loader(path)` replaces the default HF loader."""
+                 max_context_len: Optional[int] = None, kv_cache_dtype: str = "auto"):
+        """Load the model (and tokenizer if given); `model_loader(path)` replaces the default HF loader.
+
+        kv_cache_dtype: "fp8_e4m3" stores K/V in an emulated E4M3 cache with SGLang's default
+        per-tensor scales (precision/kv_cache.py), as `--kv-cache-dtype fp8_e4m3` does on GPU.
+        """
+        from megatron_rl.precision.kv_cache import KV_CACHE_DTYPES
+
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
+        self.kv_cache_dtype = kv_cache_dtype
         self.model_loader: ModelLoader = model_loader or load_hf_model
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path
@@ -331,13 +319,10 @@ class Engine:
         return out.logits.float(), new_cache
 
     def _new_cache(self) -> Any:
-        """An empty HF dynamic KV cache."""
-        from transformers import DynamicCache
+        """An empty HF dynamic KV cache (FP8-emulated under kv_cache_dtype=fp8_e4m3)."""
+        from megatron_rl.precision.kv_cache import new_kv_cache
 
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers
-            return DynamicCache()
+        return new_kv_cache(self.model.config, self.kv_cache_dtype)
 
     # ------------------------------------------------------------------------------- generate
     def check_request(self, req: GenerationRequest) -> None:

@@ -1,18 +1,25 @@
-"""Start embedded rollout servers (and optionally the real sglang-router) as subprocesses on loopback.
+"""Start rollout engines (embedded CPU servers or real SGLang servers) and optionally the real sglang-router.
 
     with launch_engines(model_path, num_engines=2, use_router=True) as cluster:
         client = RolloutClient(cluster.generate_url)     # the router when there is one
         sync_targets = cluster.worker_urls                # weight updates go to every worker
 
 The router forwards /generate but not weight updates, so weight sync always addresses
-`worker_urls`. Each engine is started as
-`sys.executable -m megatron_rl.rollout.server ...`; a start that dies or stays unhealthy raises
-`LaunchError` with the tail of that process's log.
+`worker_urls`. Embedded engines run `sys.executable -m megatron_rl.rollout.server ...`; SGLang
+engines run `sglang.launch_server` (rollout/sglang_launcher.py builds those command lines).
+A start that dies or stays unhealthy raises `LaunchError` with the tail of that process's log.
+
+No orphans: every engine and the router start in their own process group with PR_SET_PDEATHSIG
+(SIGKILL when the launching process dies, even by SIGKILL; SGLang's own subprocesses do the same
+towards their parent), and `stop()` signals the whole group (SIGTERM, then SIGKILL). Embedded
+engines also watch their parent pid.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 ROUTER_POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")
 
@@ -39,7 +46,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class ManagedProcess:
-    """A started subprocess with its log file."""
+    """A started subprocess (leader of its own process group) with its log file and how to start it again."""
 
     name: str
     """Human-readable role, e.g. 'engine 0' or 'router'."""
@@ -49,6 +56,12 @@ class ManagedProcess:
     """Base URL it serves."""
     log_path: str
     """File receiving its stdout and stderr."""
+    cmd: list[str] = field(default_factory=list)
+    """argv it was started with (restarts reuse it)."""
+    env: Optional[dict] = None
+    """Environment it was started with (None = inherited)."""
+    restarts: int = 0
+    """How many times it was restarted."""
 
     def log_tail(self, max_chars: int = 4000) -> str:
         """The end of the process's log."""
@@ -61,16 +74,31 @@ class ManagedProcess:
         except OSError as exc:
             return f"<log unavailable: {exc}>"
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`."""
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the process's whole group (its subprocesses included); no-op once it is gone."""
         try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM to the process group, then SIGKILL after `timeout_s`; always reaps the leader."""
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # children the leader left behind (e.g. SGLang schedulers) go with the group
+        self.signal_group(signal.SIGKILL)
+        if self.proc.poll() is None:
             self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=timeout_s)
+
+    def restart(self) -> None:
+        """Stop (if still running) and start again with the same command, environment and log file."""
+        self.stop()
+        self.proc = _popen(self.cmd, self.log_path, self.env)
+        self.restarts += 1
 
 
 @dataclass
@@ -81,6 +109,8 @@ class RolloutCluster:
     """Engine processes."""
     router: Optional[ManagedProcess] = None
     """sglang-router process, if started."""
+    startup_timeout_s: float = 120.0
+    """Health wait of a (re)start."""
 
     @property
     def worker_urls(self) -> list[str]:
@@ -97,12 +127,22 @@ class RolloutCluster:
         """URLs a client should spread /generate over: [router] or all engines."""
         return [self.router.url] if self.router else self.worker_urls
 
+    def owns(self, url: str) -> bool:
+        """Whether `url` is one of the engines started here."""
+        return any(e.url == url.rstrip("/") for e in self.engines)
+
+    def restart_engine(self, url: str) -> None:
+        """Restart the engine serving `url` on the same port and wait for its /health (LaunchError on failure)."""
+        engine = next(e for e in self.engines if e.url == url.rstrip("/"))
+        engine.restart()
+        wait_healthy(engine, "/health", self.startup_timeout_s)
+
     def stop(self) -> None:
-        """Stop the router, then every engine."""
+        """Stop the router, then every engine (each with its process group)."""
         procs = ([self.router] if self.router else []) + list(self.engines)
         for p in procs:
             if p.proc.poll() is None:
-                p.proc.terminate()
+                p.signal_group(signal.SIGTERM)
         for p in procs:
             p.stop()
 
@@ -141,20 +181,56 @@ def wait_healthy(proc: ManagedProcess, path: str, timeout_s: float, poll_s: floa
         time.sleep(poll_s)
 
 
-def _spawn(name: str, cmd: list[str], url: str, log_dir: str, env: Optional[dict] = None) -> ManagedProcess:
-    log_path = os.path.join(log_dir, name.replace(" ", "_") + ".log")
+_LIBC = None
+
+
+def _die_with_parent_preexec(parent_pid: int):
+    """preexec_fn: PR_SET_PDEATHSIG(SIGKILL) in the child, so it dies with the process that started it.
+
+    The kernel sends the signal when the *thread* that forked exits, so start engines from a
+    thread that lives as long as the run (the main thread). libc is loaded before the fork.
+    """
+    global _LIBC
+    if not sys.platform.startswith("linux"):
+        return None
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    libc = _LIBC
+
+    def preexec() -> None:
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _popen(cmd: list[str], log_path: str, env: Optional[dict]) -> subprocess.Popen:
+    """Start `cmd` as the leader of a new process group, output appended to `log_path`, dying with this process."""
     log = open(log_path, "ab")
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, preexec_fn=_die_with_parent_preexec(os.getpid()))
+    except OSError as exc:
+        raise LaunchError(f"cannot start {cmd[0]!r}: {exc}") from None
     finally:
         log.close()  # the child holds its own descriptor
-    return ManagedProcess(name, proc, url, log_path)
+
+
+def _spawn(name: str, cmd: list[str], url: str, log_dir: str, env: Optional[dict] = None) -> ManagedProcess:
+    log_path = os.path.join(log_dir, name.replace(" ", "_") + ".log")
+    return ManagedProcess(name, _popen(cmd, log_path, env), url, log_path, list(cmd), env)
+
+
+def public_host(bind_host: str) -> str:
+    """Host name other processes use to reach a server bound to `bind_host` (the node's name for a wildcard bind)."""
+    return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
 
 
 def engine_command(model_path: str, port: int, host: str = "127.0.0.1", tokenizer_path: Optional[str] = None,
                    random_seed: int = 0, model_loader: Optional[str] = None, num_threads: int = 1,
                    extra_args: Sequence[str] = (), deterministic: bool = False,
-                   parent_pid: Optional[int] = None) -> list[str]:
+                   parent_pid: Optional[int] = None, kv_cache_dtype: str = "auto") -> list[str]:
     """argv of one embedded engine (with `parent_pid` it exits when that process dies)."""
     cmd = [sys.executable, "-m", "megatron_rl.rollout.server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--random-seed", str(random_seed), "--num-threads", str(num_threads)]
@@ -164,6 +240,8 @@ def engine_command(model_path: str, port: int, host: str = "127.0.0.1", tokenize
         cmd += ["--model-loader", model_loader]
     if deterministic:
         cmd += ["--enable-deterministic-inference"]
+    if kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", kv_cache_dtype]
     if parent_pid:
         cmd += ["--parent-pid", str(parent_pid)]
     return cmd + list(extra_args)
@@ -177,44 +255,54 @@ def router_command(worker_urls: Sequence[str], port: int, host: str = "127.0.0.1
     return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
             "--policy", policy, "--host", host, "--port", str(port),
             # the default 30 s between startup checks would dominate a CPU run's start time
-            "--worker-startup-check-interval", "1", "--log-level", "warn", *extra_args]
+            "--worker-startup-check-interval", "1",
+            # a dead worker leaves the rotation after 2 failed checks 5 s apart (default: 3 x 60 s);
+            # a restarted one is back after 1 good check. Requests that hit it meanwhile are retried
+            # on another worker by the router itself (--retry-max-retries, default 5).
+            "--health-check-interval-secs", "5", "--health-failure-threshold", "2",
+            "--health-success-threshold", "1", "--log-level", "warn",
+            # its metrics exporter defaults to port 29000: two routers on one machine would collide
+            "--prometheus-host", host, "--prometheus-port", str(free_port(host)), *extra_args]
 
 
-def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Optional[str] = None,
-                   host: str = "127.0.0.1", base_port: int = 0, random_seed: int = 0,
-                   model_loader: Optional[str] = None, num_threads: int = 1, use_router: bool = False,
-                   router_policy: str = "round_robin", startup_timeout_s: float = 120.0,
-                   log_dir: Optional[str] = None, engine_args: Sequence[str] = (),
-                   router_args: Sequence[str] = (), deterministic: bool = False) -> RolloutCluster:
-    """Start `num_engines` embedded engines (engine i seeded random_seed + i), wait for /health, optionally start the router.
+@dataclass
+class EngineSpec:
+    """How to start one engine: its argv for a given port, and its environment."""
 
-    `model_loader` is a 'package.module:function' path handed to each server; ports are free
-    loopback ports unless `base_port` > 0 (then base_port + i, router at base_port + num_engines).
-    Engines exit on their own when this process dies (even by SIGKILL), so none is left orphaned.
-    `deterministic` makes each engine generate requests one at a time (batch-invariant samples).
+    command: Callable[[int], list[str]]
+    """argv of the engine listening on the given port."""
+    env: Optional[dict] = None
+    """Environment (None = inherited), e.g. with the engine's CUDA_VISIBLE_DEVICES."""
+
+
+def start_cluster(specs: Sequence[EngineSpec], *, host: str = "127.0.0.1", base_port: int = 0,
+                  use_router: bool = False, router_policy: str = "round_robin", startup_timeout_s: float = 120.0,
+                  log_dir: Optional[str] = None, router_args: Sequence[str] = ()) -> RolloutCluster:
+    """Start every engine of `specs`, wait for each /health, then optionally the router; all stopped on any failure.
+
+    Ports are free ports unless `base_port` > 0 (engine i: base_port + i, router: base_port + len(specs)).
     """
-    if num_engines < 1:
-        raise ValueError("num_engines must be >= 1")
+    if not specs:
+        raise ValueError("at least one engine is needed")
     if use_router:
         import importlib.util
 
         if importlib.util.find_spec("sglang_router") is None:
-            raise LaunchError("use_router needs the sglang-router package (pip install sglang-router)")
+            raise LaunchError("rollout.use_router needs the sglang-router package (pip install sglang-router)")
     log_dir = log_dir or tempfile.mkdtemp(prefix="megatron_rl_rollout_")
     os.makedirs(log_dir, exist_ok=True)
-    cluster = RolloutCluster()
+    cluster = RolloutCluster(startup_timeout_s=startup_timeout_s)
+    url_host = public_host(host)
     try:
-        for i in range(num_engines):
+        for i, spec in enumerate(specs):
             port = base_port + i if base_port > 0 else free_port(host)
-            cmd = engine_command(model_path, port, host, tokenizer_path, random_seed + i, model_loader,
-                                 num_threads, engine_args, deterministic=deterministic, parent_pid=os.getpid())
-            cluster.engines.append(_spawn(f"engine {i}", cmd, f"http://{host}:{port}", log_dir))
+            cluster.engines.append(_spawn(f"engine {i}", spec.command(port), f"http://{url_host}:{port}", log_dir, spec.env))
         for e in cluster.engines:
             wait_healthy(e, "/health", startup_timeout_s)
         if use_router:
-            port = base_port + num_engines if base_port > 0 else free_port(host)
+            port = base_port + len(specs) if base_port > 0 else free_port(host)
             cluster.router = _spawn("router", router_command(cluster.worker_urls, port, host, router_policy, router_args),
-                                    f"http://{host}:{port}", log_dir)
+                                    f"http://{url_host}:{port}", log_dir)
             wait_router(cluster.router, len(cluster.engines), startup_timeout_s)
         return cluster
     except BaseException:
@@ -222,9 +310,37 @@ def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
         raise
 
 
+def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Optional[str] = None,
+                   host: str = "127.0.0.1", base_port: int = 0, random_seed: int = 0,
+                   model_loader: Optional[str] = None, num_threads: int = 1, use_router: bool = False,
+                   router_policy: str = "round_robin", startup_timeout_s: float = 120.0,
+                   log_dir: Optional[str] = None, engine_args: Sequence[str] = (),
+                   router_args: Sequence[str] = (), deterministic: bool = False,
+                   kv_cache_dtype: str = "auto") -> RolloutCluster:
+    """Start `num_engines` embedded engines (engine i seeded random_seed + i), wait for /health, optionally start the router.
+
+    `model_loader` is a 'package.module:function' path handed to each server. Engines exit on
+    their own when this process dies (even by SIGKILL), so none is left orphaned.
+    `deterministic` makes each engine generate requests one at a time (batch-invariant samples);
+    `kv_cache_dtype="fp8_e4m3"` emulates SGLang's FP8 KV cache.
+    """
+    if num_engines < 1:
+        raise ValueError("num_engines must be >= 1")
+    parent = os.getpid()
+
+    def spec(i: int) -> EngineSpec:
+        return EngineSpec(lambda port: engine_command(model_path, port, host, tokenizer_path, random_seed + i, model_loader,
+                                                      num_threads, engine_args, deterministic=deterministic,
+                                                      parent_pid=parent, kv_cache_dtype=kv_cache_dtype))
+
+    return start_cluster([spec(i) for i in range(num_engines)], host=host, base_port=base_port, use_router=use_router,
+                         router_policy=router_policy, startup_timeout_s=startup_timeout_s, log_dir=log_dir,
+                         router_args=router_args)
+
+
 def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float) -> None:
-    """Wait until the router lists `num_workers` workers and answers /health."""
-    import json
+    """Wait until the router lists `num_workers` healthy workers and answers /health."""
+    from megatron_rl.rollout.topology import router_workers
 
     deadline = time.monotonic() + timeout_s
     wait_healthy(router, "/health", timeout_s)
@@ -233,13 +349,10 @@ def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float) -> N
         if router.proc.poll() is not None:
             break
         try:
-            with urllib.request.urlopen(router.url + "/workers", timeout=2.0) as resp:
-                data = json.loads(resp.read() or b"{}")
-            workers = data.get("workers", data) if isinstance(data, dict) else data
-            healthy = [w for w in workers if not isinstance(w, dict) or w.get("is_healthy", w.get("healthy", True))]
-            if len(healthy) >= num_workers:
+            workers = router_workers(router.url, healthy_only=True)
+            if workers is not None and len(workers) >= num_workers:
                 return
-            last = f"{len(healthy)}/{num_workers} workers registered"
+            last = f"{len(workers or [])}/{num_workers} workers registered"
         except (urllib.error.URLError, OSError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         time.sleep(0.25)
@@ -247,17 +360,49 @@ def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float) -> N
                       f"(last: {last}); log tail:\n{router.log_tail()}")
 
 
-def launch_from_config(cfg, model_path: str, tokenizer_path: Optional[str] = None, model_loader: Optional[str] = None,
-                       log_dir: Optional[str] = None, num_threads: int = 1) -> RolloutCluster:
-    """`launch_engines` with the settings of a `RolloutConfig` (engine='embedded')."""
-    if cfg.engine != "embedded":
-        raise ValueError(f"rollout.engine={cfg.engine!r}: only 'embedded' engines are launched here; "
-                         "external servers are reached through rollout.urls")
+def _launch_embedded(cfg, precision, model_path: str, tokenizer_path: Optional[str], log_dir: Optional[str],
+                     model_loader: Optional[str] = None, num_threads: int = 1,
+                     launch_dir: Optional[str] = None) -> RolloutCluster:
+    """rollout.engine=embedded: CPU engines speaking the SGLang protocol."""
     return launch_engines(model_path, cfg.num_engines, tokenizer_path=tokenizer_path, host=cfg.host,
                           base_port=cfg.base_port, random_seed=cfg.seed, model_loader=model_loader,
                           num_threads=num_threads, use_router=cfg.use_router, router_policy=cfg.router_policy,
                           startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir,
-                          deterministic=cfg.deterministic_inference)
+                          deterministic=cfg.deterministic_inference, kv_cache_dtype=precision.kv_cache_dtype)
+
+
+def _launch_sglang(cfg, precision, model_path: str, tokenizer_path: Optional[str], log_dir: Optional[str],
+                   model_loader: Optional[str] = None, num_threads: int = 1,
+                   launch_dir: Optional[str] = None) -> RolloutCluster:
+    """rollout.engine=sglang: real SGLang servers on this node's free GPUs (rollout/sglang_launcher.py)."""
+    if model_loader is not None:
+        raise ValueError("model_loader applies to embedded engines only")
+    from megatron_rl.rollout.sglang_launcher import launch_sglang_engines
+
+    return launch_sglang_engines(cfg, precision, model_path, log_dir=log_dir, launch_dir=launch_dir)
+
+
+ENGINE_LAUNCHERS: dict[str, Callable[..., RolloutCluster]] = {"embedded": _launch_embedded, "sglang": _launch_sglang}
+"""rollout.engine value -> function starting that kind of engine (external engines are not started here)."""
+
+
+def launch_from_config(cfg, model_path: str, tokenizer_path: Optional[str] = None, model_loader: Optional[str] = None,
+                       log_dir: Optional[str] = None, num_threads: int = 1, precision=None,
+                       launch_dir: Optional[str] = None) -> RolloutCluster:
+    """Start the engines a `RolloutConfig` asks for (engine=embedded or sglang) under the `PrecisionConfig`.
+
+    `launch_dir` receives the checkpoint SGLang engines start from when the weights must first be
+    converted to the rollout format.
+    """
+    if cfg.engine not in ENGINE_LAUNCHERS:
+        raise ValueError(f"rollout.engine={cfg.engine!r}: engines of this kind are not started here; "
+                         "external servers are reached through rollout.urls")
+    if precision is None:
+        from megatron_rl.config.precision import PrecisionConfig
+
+        precision = PrecisionConfig()
+    return ENGINE_LAUNCHERS[cfg.engine](cfg, precision, model_path, tokenizer_path, log_dir, model_loader, num_threads,
+                                        launch_dir)
 
 
 @contextlib.contextmanager

@@ -76,7 +76,7 @@ class RolloutServer:
                  model_loader: Optional[ModelLoader] = None, random_seed: int = 0,
                  batch_window_s: float = 0.005, max_batch_size: int = 256,
                  weight_version: str = "default", host: str = "127.0.0.1", port: int = 0,
-                 exit_on_load_error: bool = False, deterministic: bool = False):
+                 exit_on_load_error: bool = False, deterministic: bool = False, kv_cache_dtype: str = "auto"):
         """Configure the server; the model is loaded in the background once the app starts.
 
         deterministic: generate every request in a batch of its own, so a request's samples never
@@ -99,6 +99,7 @@ class RolloutServer:
         self.load_error: Optional[str] = None
         self.exit_on_load_error = exit_on_load_error
         self.deterministic = deterministic
+        self.kv_cache_dtype = kv_cache_dtype
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._queue: Optional[asyncio.Queue] = None
         self._unpaused: Optional[asyncio.Event] = None
@@ -148,8 +149,9 @@ class RolloutServer:
         loop = asyncio.get_running_loop()
         try:
             self.engine = await loop.run_in_executor(self._executor, lambda: Engine(
-                self.model_path, self.tokenizer_path, model_loader=self.model_loader, random_seed=self.random_seed))
-            log.info("model loaded from %s", self.model_path)
+                self.model_path, self.tokenizer_path, model_loader=self.model_loader, random_seed=self.random_seed,
+                kv_cache_dtype=self.kv_cache_dtype))
+            log.info("model loaded from %s (kv cache %s)", self.model_path, self.kv_cache_dtype)
         except Exception as exc:  # the process stays up to report it; the launcher sees stderr
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("failed to load model from %s: %s", self.model_path, self.load_error)
@@ -274,7 +276,7 @@ class RolloutServer:
             "port": self.port, "random_seed": self.random_seed, "skip_tokenizer_init": self.tokenizer_path is None,
             "tp_size": 1, "dp_size": 1, "pp_size": 1, "max_running_requests": self.max_batch_size,
             "batch_window_s": self.batch_window_s, "weight_version": self.weight_version,
-            "enable_deterministic_inference": self.deterministic,
+            "enable_deterministic_inference": self.deterministic, "kv_cache_dtype": self.kv_cache_dtype,
             "version": SERVER_VERSION, "engine": "embedded-cpu",
             "internal_states": [{"loaded": self.engine is not None, "running_requests": self._running,
                                  "queued_requests": self._queue.qsize() if self._queue else 0,
@@ -535,6 +537,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant results: generate each request in a batch of its own")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="fp8_e4m3: emulate SGLang's FP8 KV cache (per-tensor scales 1.0)")
     p.add_argument("--parent-pid", type=int, default=0,
                    help="exit when this process (the launching trainer) is gone, even if it was SIGKILLed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
@@ -568,7 +572,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.model_path, args.tokenizer_path, model_loader=resolve_model_loader(args.model_loader),
         random_seed=args.random_seed, batch_window_s=args.batch_window_ms / 1000.0,
         max_batch_size=args.max_batch_size, weight_version=args.weight_version, host=args.host, port=args.port,
-        exit_on_load_error=True, deterministic=args.enable_deterministic_inference)
+        exit_on_load_error=True, deterministic=args.enable_deterministic_inference, kv_cache_dtype=args.kv_cache_dtype)
     if args.parent_pid > 0:
         watch_parent(args.parent_pid)
     web.run_app(server.make_app(), host=args.host, port=args.port, print=None, access_log=None)

@@ -135,3 +135,20 @@ def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], completio
         logits = model(input_ids=full).logits.float()[0]
     p = len(prompt)
     return torch.log_softmax(logits[p - 1: p - 1 + len(completion)], dim=-1)
+
+
+SLOW_FORWARD_S = 0.05
+"""Delay of each forward call of `load_slow_model` (tests kill an engine mid-generation deterministically)."""
+
+
+def load_slow_model(path: str) -> torch.nn.Module:
+    """Model loader (`--model-loader megatron_rl.rollout.testing:load_slow_model`): the default HF model, each forward delayed by SLOW_FORWARD_S."""
+    from megatron_rl.rollout.engine import load_hf_model
+
+    model = load_hf_model(path)
+
+    def delay(module, args, kwargs):
+        time.sleep(SLOW_FORWARD_S)
+
+    model.register_forward_pre_hook(delay, with_kwargs=True)
+    return model

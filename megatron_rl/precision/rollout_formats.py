@@ -1,0 +1,194 @@
+"""Rollout weight formats: how exported HF tensors are quantized for the engines, and how an engine reads them back.
+
+One registry entry per `precision.rollout_quantization` value, each naming both sides of the contract:
+
+| format        | checkpoint tensors per quantized Linear                      | config.json quant_method | SGLang flag              | activations (dynamic)          |
+|---------------|---------------------------------------------------------------|--------------------------|--------------------------|--------------------------------|
+| none          | ``weight`` as exported                                        | (none)                   | (none)                   | high precision                 |
+| fp8-blockwise | ``weight`` e4m3 [out, in] + ``weight_scale_inv`` fp32 [ceil(out/128), ceil(in/128)] | ``fp8`` + ``weight_block_size`` | ``--quantization fp8``   | per token, 1 x 128 groups      |
+| fp8-channel   | ``weight`` e4m3 [out, in] + ``weight_scale`` fp32 [out, 1]    | ``w8a8_fp8``             | ``--quantization w8a8_fp8`` | per token, one scale per row |
+
+fp8-channel is SGLang's serialized W8A8-FP8 layout (``W8A8Fp8Config`` with a checkpoint whose
+quant_method contains "w8a8_fp8": ``weight`` float8_e4m3fn and a ``ChannelQuantScaleParameter``
+``weight_scale`` of shape [out, 1]; activations quantized per token at run time). Scales follow the
+checkpoint convention (divide by scale = amax / 448; precision/blockwise.py). Quantized Linears are
+the transformer layers' q/k/v/o and gate/up/down projections (hf_fp8.QUANTIZED_PROJECTIONS);
+embeddings, lm_head, norms and biases stay high precision.
+
+`RolloutFormat.quantize(name, tensor)` works one tensor at a time, so a streaming exporter can
+quantize bucket by bucket; the engine side (`load_quantized_model`) reads the same bits back, so the
+served weights are exactly what the trainer quantized.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from megatron_rl.precision.blockwise import ScaleFmt, quantize_blockwise, quantize_per_channel
+from megatron_rl.precision.hf_fp8 import SCALE_SUFFIX, is_quantized_weight
+
+CHANNEL_SCALE_SUFFIX = "_scale"
+"""Appended to a weight's name for its per-channel scales in the w8a8_fp8 layout (``...proj.weight_scale``)."""
+BLOCK = (128, 128)
+"""Weight block of the fp8-blockwise format."""
+
+
+@dataclass(frozen=True)
+class RolloutFormat:
+    """One rollout weight format: trainer-side quantizer + config.json entry + SGLang flag."""
+
+    name: str
+    """The precision.rollout_quantization value."""
+    quantization_config: Optional[dict] = None
+    """config.json quantization_config of checkpoints in this format (None: unquantized)."""
+    sglang_quantization: Optional[str] = None
+    """Value of SGLang's --quantization for engines serving this format (None: no flag)."""
+    scale_suffix: str = ""
+    """Suffix of a quantized weight's scale tensor name."""
+    _quantize_weight: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = field(default=None, repr=False)
+
+    def quantize(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of one HF-named exported tensor (the tensor itself, or FP8 weight + scale)."""
+        if self._quantize_weight is None or not is_quantized_weight(name):
+            return {name: tensor}
+        q, s = self._quantize_weight(tensor)
+        return {name: q, name + self.scale_suffix: s}
+
+    def quantize_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`quantize` over a whole HF state dict."""
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in state_dict.items():
+            out.update(self.quantize(name, tensor))
+        return out
+
+    def config_updates(self) -> dict:
+        """config.json keys to set on checkpoints in this format."""
+        return {"quantization_config": dict(self.quantization_config)} if self.quantization_config else {}
+
+
+def _none(precision) -> RolloutFormat:
+    return RolloutFormat("none")
+
+
+def _blockwise(precision) -> RolloutFormat:
+    from megatron_rl.precision.hf_fp8 import quantization_config
+
+    fmt: ScaleFmt = precision.rollout_scale_fmt
+    return RolloutFormat("fp8-blockwise", quantization_config(BLOCK, fmt), "fp8", SCALE_SUFFIX,
+                         lambda w: quantize_blockwise(w, BLOCK, fmt))
+
+
+def _channel(precision) -> RolloutFormat:
+    fmt: ScaleFmt = precision.rollout_scale_fmt
+    # ue8m0 makes each row's scale a power of two; it is still stored as fp32, as w8a8_fp8 reads it
+    return RolloutFormat("fp8-channel", {"quant_method": "w8a8_fp8", "fmt": "e4m3", "activation_scheme": "dynamic"},
+                         "w8a8_fp8", CHANNEL_SCALE_SUFFIX, lambda w: quantize_per_channel(w, fmt))
+
+
+ROLLOUT_FORMATS: dict[str, Callable[..., RolloutFormat]] = {
+    "none": _none,
+    "fp8-blockwise": _blockwise,
+    "fp8-channel": _channel,
+}
+"""precision.rollout_quantization value -> factory of its RolloutFormat (given the PrecisionConfig)."""
+
+
+def rollout_format(precision) -> RolloutFormat:
+    """The RolloutFormat the precision policy's rollout_quantization names."""
+    try:
+        factory = ROLLOUT_FORMATS[precision.rollout_quantization]
+    except KeyError:
+        raise ValueError(f"precision.rollout_quantization={precision.rollout_quantization!r} has no rollout format; "
+                         f"registered: {sorted(ROLLOUT_FORMATS)}") from None
+    return factory(precision)
+
+
+def checkpoint_format(config: Mapping) -> Optional[str]:
+    """Which quantized rollout format an HF config.json declares ('fp8-blockwise', 'fp8-channel'), None when unquantized.
+
+    Raises ValueError for a quantization_config this code cannot serve (so an engine never
+    silently runs a checkpoint's FP8 bits as if they were plain weights).
+    """
+    qc = config.get("quantization_config") or {}
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8" and qc.get("weight_block_size"):
+        return "fp8-blockwise"
+    if "w8a8_fp8" in method:
+        return "fp8-channel"
+    raise ValueError(f"quantization_config {qc!r} is not a rollout format served here "
+                     "(block FP8 with weight_block_size, or w8a8_fp8 per-channel)")
+
+
+def read_config(path: str) -> dict:
+    """config.json of an HF checkpoint directory."""
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def load_quantized_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Build the architecture from config.json and load a quantized rollout checkpoint with W8A8 emulation (strict)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_rl.precision.hf_fp8 import load_fp8_checkpoint, weight_block_size
+    from megatron_rl.precision.w8a8 import apply_fp8_state_dict
+
+    fmt = checkpoint_format(read_config(path))
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    # The quantization is ours to emulate; transformers' own FP8 integrations need a GPU.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors, raw_config = load_fp8_checkpoint(path)
+    if fmt == "fp8-blockwise":
+        apply_fp8_state_dict(model, tensors, weight_block_size(raw_config))
+    elif fmt == "fp8-channel":
+        apply_fp8_state_dict(model, tensors, block=None, scale_suffix=CHANNEL_SCALE_SUFFIX)
+    else:
+        raise ValueError(f"{path} is not a quantized rollout checkpoint")
+    return model.eval()
+
+
+def write_launch_checkpoint(hf_dir: str, precision, out_root: str) -> str:
+    """An HF directory engines can be started from in the precision policy's rollout format.
+
+    SGLang fixes each layer's quantization method when it starts, and later weight updates load
+    into those layers: engines serving FP8 rollouts must therefore start from a checkpoint already
+    in that format. Returns `hf_dir` itself when no quantization is needed or it is already in the
+    format, else writes <out_root>/launch_<format> (config, tokenizer files, quantized safetensors).
+    """
+    import shutil
+
+    from megatron_rl.precision.hf_fp8 import load_fp8_checkpoint
+
+    fmt = rollout_format(precision)
+    config = read_config(hf_dir)
+    current = checkpoint_format(config)
+    if fmt.quantization_config is None:
+        if current is not None:
+            raise ValueError(f"{hf_dir} holds a {current} checkpoint but precision.rollout_quantization=none")
+        return hf_dir
+    if current == fmt.name and config.get("quantization_config") == fmt.quantization_config:
+        return hf_dir
+    if current is not None:
+        raise ValueError(f"{hf_dir} holds a {current} checkpoint; precision.rollout_quantization={fmt.name} "
+                         "needs a high-precision source to quantize from")
+    from megatron_rl.rollout.sync.disk import write_hf_checkpoint
+
+    out = os.path.join(out_root, f"launch_{fmt.name}")
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    tensors, _ = load_fp8_checkpoint(hf_dir)
+    write_hf_checkpoint(fmt.quantize_state_dict(tensors), hf_dir, tmp, fmt.config_updates())
+    for name in os.listdir(hf_dir):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, name))
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return out

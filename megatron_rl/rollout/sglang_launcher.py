@@ -1,0 +1,143 @@
+"""Real SGLang engines (GPU): `python -m sglang.launch_server` command lines from the config, GPU assignment, start.
+
+Command line of engine i (flags checked against SGLang's server arguments by
+tests/test_sglang_launcher.py, from a fixture extracted from sglang's server_args.py):
+
+    <rollout.sglang_python> -m sglang.launch_server --model-path P --host H --port PORT
+        --tp-size T --dp-size D --random-seed rollout.seed+i --skip-tokenizer-init
+        [--quantization fp8|w8a8_fp8]        (precision.rollout_quantization fp8-blockwise|fp8-channel)
+        [--kv-cache-dtype fp8_e4m3]          (precision.kv_cache_dtype)
+        [--mem-fraction-static F] [--enable-deterministic-inference] [--api-key K] [rollout.sglang_args...]
+
+SGLang fixes each layer's quantization when it starts and later weight updates load into those
+layers, so FP8 engines start from a checkpoint already in the rollout format
+(precision/rollout_formats.py writes it next to the synced weights when the source is BF16).
+
+GPU assignment on one node: the engines use K = num_engines * engine_tp_size * engine_dp_size GPUs;
+engine i gets the consecutive devices gpus[i*k : (i+1)*k] (k = engine_tp_size * engine_dp_size)
+through CUDA_VISIBLE_DEVICES, so inside SGLang they are devices 0..k-1. `gpus` is
+rollout.engine_gpus when set, otherwise the node's devices after the learner's: the learner's
+torchrun ranks on this node hold devices 0..L-1 (L = LOCAL_WORLD_SIZE, 0 on a rollout-only node
+started by `megatron-rl engines`) and the engines take L..L+K-1. Device indices are as this process
+sees them: under an outer CUDA_VISIBLE_DEVICES they are positions in that list.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import Optional, Sequence
+
+from megatron_rl.rollout.launcher import EngineSpec, LaunchError, RolloutCluster, start_cluster
+
+
+def sglang_command(cfg, precision, model_path: str, port: int, seed: int) -> list[str]:
+    """argv of one SGLang server for a RolloutConfig and PrecisionConfig."""
+    from megatron_rl.precision.rollout_formats import rollout_format
+
+    cmd = [cfg.sglang_python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", cfg.host,
+           "--port", str(port), "--tp-size", str(cfg.engine_tp_size), "--dp-size", str(cfg.engine_dp_size),
+           "--random-seed", str(seed),
+           # the trainer sends token ids and decodes itself
+           "--skip-tokenizer-init"]
+    quantization = rollout_format(precision).sglang_quantization
+    if quantization:
+        cmd += ["--quantization", quantization]
+    if precision.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", precision.kv_cache_dtype]
+    if cfg.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", f"{cfg.mem_fraction_static:g}"]
+    if cfg.deterministic_inference:
+        cmd += ["--enable-deterministic-inference"]
+    api_key = getattr(cfg, "api_key", None)
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd + list(cfg.sglang_args)
+
+
+def learner_local_gpus() -> int:
+    """GPUs the learner's ranks hold on this node: torchrun's LOCAL_WORLD_SIZE (1 outside torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def engine_gpu_groups(cfg, visible_gpus: int, learner_gpus: int) -> list[list[int]]:
+    """Device indices of each engine (see the module docstring); LaunchError naming the fields when they do not fit."""
+    k = cfg.engine_tp_size * cfg.engine_dp_size
+    need = cfg.num_engines * k
+    if cfg.engine_gpus:
+        gpus = list(cfg.engine_gpus)
+        # without a CUDA view here (visible_gpus == 0) explicit indices are trusted; SGLang reports bad ones
+        if visible_gpus and max(gpus) >= visible_gpus:
+            raise LaunchError(f"rollout.engine_gpus={gpus} names device {max(gpus)} but this node has "
+                              f"{visible_gpus} visible GPU(s)")
+    else:
+        if visible_gpus == 0:
+            raise LaunchError("rollout.engine=sglang needs CUDA GPUs and this node has none "
+                              "(use rollout.engine=embedded on CPU, or set rollout.engine_gpus)")
+        if learner_gpus + need > visible_gpus:
+            raise LaunchError(
+                f"rollout.engine=sglang needs {need} GPU(s) (rollout.num_engines={cfg.num_engines} x engine_tp_size="
+                f"{cfg.engine_tp_size} x engine_dp_size={cfg.engine_dp_size}) after the learner's {learner_gpus} on this "
+                f"node, which has {visible_gpus}; lower them, run the engines on their own node (`megatron-rl engines`) "
+                "or set rollout.engine_gpus")
+        gpus = list(range(learner_gpus, learner_gpus + need))
+    return [gpus[i * k:(i + 1) * k] for i in range(cfg.num_engines)]
+
+
+def cuda_visible_devices(indices: Sequence[int]) -> str:
+    """CUDA_VISIBLE_DEVICES value for device indices as this process sees them (mapped through an outer list)."""
+    outer = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if outer:
+        names = [d.strip() for d in outer.split(",") if d.strip()]
+        return ",".join(names[i] for i in indices)
+    return ",".join(str(i) for i in indices)
+
+
+def check_sglang_python(python: str) -> str:
+    """The resolved rollout.sglang_python executable, after checking it can import sglang (LaunchError naming the field)."""
+    exe = shutil.which(python)
+    if exe is None:
+        raise LaunchError(f"rollout.sglang_python={python!r} is not an executable on this node "
+                          "(set it to the python of the environment SGLang is installed in)")
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('sglang') else 3)"
+    try:
+        rc = subprocess.run([exe, "-c", probe], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120).returncode
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"rollout.sglang_python={python!r} cannot run: {exc}") from None
+    if rc != 0:
+        raise LaunchError(f"rollout.engine=sglang: {exe} cannot import sglang (set rollout.sglang_python to the python "
+                          "of the environment SGLang is installed in, or use rollout.engine=embedded on CPU)")
+    return exe
+
+
+def visible_gpu_count() -> int:
+    """CUDA devices this process sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def launch_sglang_engines(cfg, precision, model_path: str, log_dir: Optional[str] = None,
+                          launch_dir: Optional[str] = None, learner_gpus: Optional[int] = None,
+                          visible_gpus: Optional[int] = None) -> RolloutCluster:
+    """Start cfg.num_engines SGLang servers on this node's free GPUs, wait for /health, then the router if asked.
+
+    `launch_dir` receives the rollout-format launch checkpoint when `model_path` must be quantized
+    first (default: beside the logs); `learner_gpus` / `visible_gpus` default to this node's facts.
+    """
+    from megatron_rl.precision.rollout_formats import write_launch_checkpoint
+
+    groups = engine_gpu_groups(cfg, visible_gpu_count() if visible_gpus is None else visible_gpus,
+                               learner_local_gpus() if learner_gpus is None else learner_gpus)
+    check_sglang_python(cfg.sglang_python)
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise LaunchError(f"SGLang engines need an HF model directory; {model_path!r} has no config.json")
+    launch_path = write_launch_checkpoint(model_path, precision, launch_dir or os.path.join(log_dir or ".", "launch"))
+
+    def spec(i: int) -> EngineSpec:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=cuda_visible_devices(groups[i]))
+        return EngineSpec(lambda port: sglang_command(cfg, precision, launch_path, port, cfg.seed + i), env)
+
+    return start_cluster([spec(i) for i in range(cfg.num_engines)], host=cfg.host, base_port=cfg.base_port,
+                         use_router=cfg.use_router, router_policy=cfg.router_policy,
+                         startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir)
