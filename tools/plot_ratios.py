@@ -101,8 +101,10 @@ def plot(run_dir: Path, step: int, out: Path, bins: int = 80) -> Path:
         ax.set_title(name)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("tokens")
-    alpha, achieved = row.get("calib/alpha_target"), row.get("calib/alpha_achieved")
-    fig.suptitle(f"{run_dir.name}: calibration step {step}  (alpha target {alpha}, achieved {achieved})", fontsize=10)
+    fmt = lambda x: f"{x:.4f}" if isinstance(x, (int, float)) else "n/a"  # noqa: E731
+    fig.suptitle(f"{run_dir.name}: calibration step {step}  (alpha target {fmt(row.get('calib/alpha_target'))}, "
+                 f"achieved {fmt(row.get('calib/alpha_achieved'))}; rho target {fmt(row.get('calib/rho_target'))}, "
+                 f"achieved {fmt(row.get('calib/rho_achieved'))})", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
