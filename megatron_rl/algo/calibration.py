@@ -180,9 +180,19 @@ class RatioStats:
         ratio, adv = ratio.detach().reshape(-1), adv.detach().reshape(-1)
         if ratio.shape != adv.shape:
             raise ValueError(f"ratio and adv must have the same number of tokens, got {ratio.numel()} and {adv.numel()}")
+        if self.collect_reference and (ratio_hp is None or ratio_hp.numel() != ratio.numel()):
+            raise ValueError("a calibration event needs the high-precision ratio of every token it adds")
+        # a non-finite token (a diverged forward the health guard skips) must not turn the bounds into NaN:
+        # it becomes (r = 1, A = 0), in neither N nor P (torch.where keeps shapes static: no host sync)
+        finite = torch.isfinite(ratio) & torch.isfinite(adv)
+        if ratio_hp is not None:
+            ratio_hp = ratio_hp.detach().reshape(-1)
+            finite = finite & torch.isfinite(ratio_hp)
+            ratio_hp = torch.where(finite, ratio_hp, torch.ones_like(ratio_hp))
+        raw = (ratio, adv, ratio_hp)
+        ratio = torch.where(finite, ratio, torch.ones_like(ratio))
+        adv = torch.where(finite, adv, torch.zeros_like(adv))
         if self.collect_reference:
-            if ratio_hp is None or ratio_hp.numel() != ratio.numel():
-                raise ValueError("a calibration event needs the high-precision ratio of every token it adds")
             sums = reference_sums(ratio_hp, adv, eps_low=self.eps_low, eps_high=self.eps_high)
             self.reference = sums if self.reference is None else self.reference + sums
         if self.collect_fp8:
@@ -191,9 +201,10 @@ class RatioStats:
             else:
                 self.parts.append(torch.stack([ratio.to(torch.float64), adv.to(torch.float64)], dim=1))
         if self.records is not None:
-            rec = {"ratio": ratio, "adv": adv, "minibatch": torch.full_like(adv, update, dtype=torch.int64)}
+            rec = {"ratio": raw[0][finite], "adv": raw[1][finite]}
+            rec["minibatch"] = torch.full_like(rec["adv"], update, dtype=torch.int64)
             if ratio_hp is not None:
-                rec["ratio_hp"] = ratio_hp.detach().reshape(-1)
+                rec["ratio_hp"] = raw[2][finite]
             self.records.append(rec)
         self.num_tokens += int(ratio.numel())
 

@@ -256,6 +256,19 @@ def test_empty_side_of_an_event_keeps_the_previous_targets():
     assert (c.targets.alpha, c.targets.rho) == (before.alpha, before.rho)
 
 
+def test_non_finite_tokens_never_reach_the_bounds():
+    c = CalibratedClipper(_cfg(smoothing=0.0), eps_low=0.2, eps_high=0.28)
+    r = torch.tensor([0.5, 0.7, 0.9, 1.1, 1.3, float("nan"), float("inf")])
+    a = torch.tensor([-1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 1.0])
+    hp = torch.tensor([0.6, 0.75, 0.95, 1.1, 1.2, 0.5, float("nan")])
+    stats = c.new_stats(reference=True, record=True)
+    stats.add(r, a, ratio_hp=hp)
+    assert stats.dump_arrays()["ratio"].tolist() == pytest.approx([0.5, 0.7, 0.9, 1.1, 1.3])  # dumps hold the finite ones
+    sol = c.solve(stats)
+    assert all(math.isfinite(x) for x in (sol.lower, sol.upper, c.targets.alpha, c.targets.rho))
+    assert c.targets.alpha == pytest.approx(2 / 3)  # the NaN token is not one of N
+
+
 def test_relax_only_guard_rail_order():
     # alpha = 0 (the shadow pass clipped nothing): L would be the smallest FP8 ratio, above 1 - eps_low
     r = torch.tensor([0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2], dtype=torch.float64)
