@@ -1,4 +1,4 @@
-"""Cost of the emulated-FP8 linear relative to a plain linear (forward + backward), every recipe, one run.
+"""Cost of the emulated-FP8 and FP4 linears relative to a plain linear (forward + backward), every recipe, one run.
 
     PYTHONPATH=. python benchmarks/bench_fp8_linear.py [--tokens 512] [--hidden 1024] [--out 1024] [--repeats 5]
 
@@ -14,7 +14,7 @@ import time
 import torch
 
 from megatron_rl.config.precision import PrecisionConfig
-from megatron_rl.precision.linear import ModuleQuantizer, fake_quant_linear
+from megatron_rl.precision.linear import fake_quant_linear, make_quantizer
 
 VARIANTS = [
     ("delayed", "hybrid", False),
@@ -23,7 +23,12 @@ VARIANTS = [
     ("blockwise", "hybrid", True),
     ("mxfp8", "hybrid", False),
     ("tensorwise", "e4m3", False),
+    ("nvfp4", "", False),
+    ("mxfp4", "", False),
 ]
+FP4_OPTIONS = {"nvfp4": [("", {}), (" no-RHT no-SR", {"fp4_hadamard_wgrad": False, "fp4_stochastic_rounding": False})],
+               "mxfp4": [("", {})]}
+"""FP4 variants: the default recipe (wgrad Hadamard + stochastic rounding) and nvfp4 without both."""
 
 
 def _fwd_bwd(fn, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> float:
@@ -53,9 +58,10 @@ def main() -> None:
     plain = lambda a, b: torch.nn.functional.linear(a, b)  # noqa: E731
     fns = {"plain fp32": plain}
     for recipe, fmt, pow2 in VARIANTS:
-        quant = ModuleQuantizer(PrecisionConfig(recipe=recipe, fp8_format=fmt, power_of_two_scales=pow2))
-        name = f"{recipe} {fmt}" + (" pow2" if pow2 else "")
-        fns[name] = lambda a, b, q=quant: fake_quant_linear(a, b, None, q)
+        for suffix, extra in FP4_OPTIONS.get(recipe, [("", {"fp8_format": fmt, "power_of_two_scales": pow2})]):
+            quant = make_quantizer(PrecisionConfig(recipe=recipe, **extra))
+            name = (f"{recipe} {fmt}" + (" pow2" if pow2 else "")).strip() + suffix
+            fns[name] = lambda a, b, q=quant: fake_quant_linear(a, b, None, q)
 
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm-up

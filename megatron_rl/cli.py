@@ -9,6 +9,7 @@
     megatron-rl convert hf-to-fp8 SRC DST             # FP8 blockwise HF checkpoint for SGLang
     megatron-rl convert hf-to-megatron SRC DST --config CONFIG   # reshardable torch_dist checkpoint
     megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
+    megatron-rl study SPEC.yaml [--report-only]   # arms x seeds from one warm start -> RESULTS.md + plots
 """
 from __future__ import annotations
 
@@ -111,6 +112,15 @@ def cmd_convert(args) -> int:
     raise SystemExit(f"unknown conversion {args.kind!r}")
 
 
+def cmd_study(args) -> int:
+    """Arms x seeds of RL runs from one shared warm start, one after another (resumable), then RESULTS.md and plots."""
+    from megatron_rl.study import load_study
+    from megatron_rl.study.runner import run_study
+
+    failed = run_study(load_study(args.spec), report_only=args.report_only)
+    return 1 if failed else 0
+
+
 def _quiet_known_upstream_warnings() -> None:
     """Silence megatron-core's import-time notices about TE/Apex fallbacks (expected on CPU, noise in the job's output)."""
     import warnings
@@ -151,16 +161,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the model and parallel layout")
     p.add_argument("overrides", nargs="*", help="hf-to-megatron: dotted.key=value overrides of --config")
     p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("study", help=cmd_study.__doc__)
+    p.add_argument("spec", help="study spec YAML (see examples/studies/)")
+    p.add_argument("--report-only", action="store_true", help="only rewrite RESULTS.md and the plots from the runs on disk")
+    p.set_defaults(fn=cmd_study)
     sub.add_parser("serve", help="embedded SGLang-protocol rollout server (see --help after 'serve')")
     args = parser.parse_args(argv)
     from megatron_rl.config import ConfigError
     from megatron_rl.data.jsonl import DataFormatError
     from megatron_rl.rollout.client import RolloutServerError
     from megatron_rl.rollout.launcher import LaunchError
+    from megatron_rl.study.spec import StudyError
 
     try:
         return args.fn(args)
-    except (ConfigError, DataFormatError, RolloutServerError, LaunchError) as exc:
+    except (ConfigError, DataFormatError, RolloutServerError, LaunchError, StudyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

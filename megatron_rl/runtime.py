@@ -117,7 +117,7 @@ def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
     cluster = None
     sync_dir = r.sync_dir or str(run_dir / "weights")
     if r.engine == "external":
-        gen_urls, worker_urls = resolve_external(r.urls, r.weight_update_urls)
+        gen_urls, worker_urls = resolve_external(r.urls, r.weight_update_urls, api_key=r.api_key)
     else:
         cluster = launch_from_config(r, hf_dir, tokenizer_path=hf_dir, log_dir=str(run_dir / "logs"),
                                      precision=cfg.precision, launch_dir=sync_dir)
@@ -147,7 +147,7 @@ def check_rollout_engines(cfg: RunConfig) -> None:
         from megatron_rl.rollout.topology import resolve_external
 
         check_external_rollout(cfg)
-        resolve_external(cfg.rollout.urls, cfg.rollout.weight_update_urls)
+        resolve_external(cfg.rollout.urls, cfg.rollout.weight_update_urls, api_key=cfg.rollout.api_key)
     elif cfg.rollout.engine == "sglang":
         from megatron_rl.rollout.sglang_launcher import check_sglang_python, engine_gpu_groups, learner_local_gpus, visible_gpu_count
 

@@ -69,3 +69,14 @@ def _walk(model, prefix=""):
 def test_every_field_has_a_one_line_doc():
     undocumented = [name for name, field in _walk(RunConfig) if not (field.description or "").strip()]
     assert not undocumented, undocumented
+
+
+def test_api_key_is_redacted_in_the_run_record(tmp_path):
+    """config.yaml is copied and shared with run directories: the rollout API key never reaches it."""
+    from megatron_rl.config import dump_config, load_config
+
+    cfg = load_config(None, ["rollout.api_key=s3cret-token"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    assert "s3cret-token" not in text and "api_key: <redacted>" in text
+    assert cfg.rollout.api_key == "s3cret-token"

@@ -40,7 +40,10 @@ def test_concurrent_requests_are_batched_by_default(tmp_path):
         assert srv.server.batches_run < len(PROMPTS)
 
 
-CHILD = "from megatron_rl.rollout.server import watch_parent; import os, time; watch_parent(os.getppid(), 0.05); time.sleep(120)"
+# the parent pid is read before the (slow, under load) import: read after it, a parent killed meanwhile
+# would already be replaced by the reaper and the watchdog would watch the wrong process
+CHILD = ("import os, time; parent = os.getppid(); from megatron_rl.rollout.server import watch_parent; "
+         "watch_parent(parent, 0.05); time.sleep(120)")
 MIDDLE = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
           "print(p.pid, flush=True); time.sleep(120)")
 

@@ -1,4 +1,4 @@
-"""FP8 precision policy: the one object that decides FP8 for learner and rollout."""
+"""Low-precision policy (FP8, or FP4 emulation): the one object that decides quantization for learner and rollout."""
 from __future__ import annotations
 
 from typing import Literal
@@ -7,20 +7,22 @@ from pydantic import model_validator
 
 from megatron_rl.config.base import StrictConfig
 
-Recipe = Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8"]
+Recipe = Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4", "mxfp4"]
+FP4_RECIPES = ("nvfp4", "mxfp4")
+"""Recipes whose linears compute in FP4 (E2M1) rather than FP8."""
 
 
 class PrecisionConfig(StrictConfig):
     """How the learner and the rollout engines quantize; configured once and passed in."""
 
     recipe: Recipe = "none"
-    """FP8 recipe of the learner's linear layers: none (high precision), delayed, tensorwise, blockwise, mxfp8."""
+    """Recipe of the learner's linear layers: none (high precision); FP8 delayed, tensorwise, blockwise, mxfp8; FP4 nvfp4, mxfp4 (mxfp4: CPU emulation only)."""
     fp8_format: Literal["e4m3", "hybrid"] = "hybrid"
-    """e4m3 everywhere, or hybrid (E4M3 forward, E5M2 output gradients in backward)."""
+    """FP8 recipes: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 output gradients in backward). FP4 recipes ignore it."""
     first_last_layers_high_precision: int = 0
-    """Keep this many transformer layers at each end of the stack in high precision."""
+    """Keep this many transformer layers at each end of the stack in high precision. Default 0 for every recipe (all layers quantized); NVIDIA's NVFP4 recipe keeps the first and especially the last layers in BF16: set it for deep models (the 2-layer tiny model would have no FP4 layer left)."""
     fp8_params: bool = False
-    """Store learner parameters in FP8 (GPU only; TE fp8_model_init / quantized_model_init)."""
+    """Store learner parameters in FP8 (nvfp4: FP4) (GPU only; TE fp8_model_init / quantized_model_init, megatron fp8_param / fp4_param)."""
     amax_history_len: int = 1
     """Delayed scaling: length of the amax history window (megatron default 1)."""
     amax_compute_algo: Literal["max", "most_recent"] = "most_recent"
@@ -35,6 +37,12 @@ class PrecisionConfig(StrictConfig):
     """Scale format of the blockwise rollout checkpoint (ue8m0 = power-of-two scales)."""
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     """KV-cache dtype of the rollout engines: SGLang's --kv-cache-dtype; embedded engines emulate fp8_e4m3 (E4M3 K/V, per-tensor scales 1.0)."""
+    fp4_hadamard_wgrad: bool = True
+    """FP4 recipes: apply the 16x16 random-sign Hadamard transform to both wgrad operands along tokens before quantizing (TE NVFP4BlockScaling's default)."""
+    fp4_stochastic_rounding: bool = True
+    """FP4 recipes: stochastic rounding of the output gradients (forward operands stay round-to-nearest-even), as TE NVFP4BlockScaling."""
+    fp4_seed: int = 0
+    """FP4 recipes: seed of the CPU emulation's stochastic-rounding streams (deterministic and checkpointed; TE draws its own on GPU)."""
 
     @model_validator(mode="after")
     def _check(self) -> "PrecisionConfig":
@@ -44,6 +52,10 @@ class PrecisionConfig(StrictConfig):
             raise ValueError("precision.first_last_layers_high_precision is not supported with recipe=delayed (as in megatron-core)")
         if self.fp8_params and self.recipe == "none":
             raise ValueError("precision.fp8_params needs an FP8 recipe (recipe is 'none')")
+        if self.fp8_params and self.recipe == "mxfp4":
+            raise ValueError("precision.fp8_params is not available with recipe=mxfp4 (megatron-core has no MXFP4 parameters)")
+        if self.fp4_seed < 0:
+            raise ValueError("precision.fp4_seed must be >= 0")
         if self.margin < 0:
             raise ValueError("precision.margin must be >= 0")
         if self.amax_history_len < 1:
@@ -52,5 +64,10 @@ class PrecisionConfig(StrictConfig):
 
     @property
     def fp8_enabled(self) -> bool:
-        """True when the learner computes its linear layers in FP8."""
+        """True when the learner computes its linear layers in low precision (FP8 or FP4)."""
         return self.recipe != "none"
+
+    @property
+    def fp4_enabled(self) -> bool:
+        """True for the FP4 recipes (nvfp4, mxfp4)."""
+        return self.recipe in FP4_RECIPES

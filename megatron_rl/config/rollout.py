@@ -76,6 +76,8 @@ class RolloutConfig(StrictConfig):
     """Directory for disk weight sync (default: <run_dir>/weights)."""
     seed: int = 0
     """Base random seed of the engines (sampling_seed per request derives from it)."""
+    api_key: Optional[str] = None
+    """Bearer key of the engines (SGLang's --api-key): embedded engines are started with it and every request sends it."""
     deterministic_inference: bool = True
     """Batch-invariant rollouts: embedded engines generate each prompt's request alone, so samples depend only on (weights, prompt, seed), never on co-batched requests (needed for exact resume and DP/TP-invariant runs); SGLang engines we launch get --enable-deterministic-inference (external ones must be started with it)."""
 
@@ -115,4 +117,6 @@ class RolloutConfig(StrictConfig):
             raise ValueError("rollout.n_samples_per_prompt must be >= 1")
         if self.num_engines < 1:
             raise ValueError("rollout.num_engines must be >= 1")
+        if self.api_key is not None and (not self.api_key or any(c.isspace() or not c.isprintable() for c in self.api_key)):
+            raise ValueError("rollout.api_key must be a non-empty string without whitespace (it is sent in an HTTP header)")
         return self

@@ -141,6 +141,19 @@ def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()
         raise ConfigError(_format_validation_error(exc, source)) from None
 
 
+SECRET_FIELDS = (("rollout", "api_key"),)
+"""Dotted fields whose values never reach a file: run directories get copied and shared."""
+
+
+def config_record(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain data, secrets replaced by '<redacted>' (what config.yaml holds)."""
+    tree = cfg.model_dump(mode="json")
+    for section, key in SECRET_FIELDS:
+        if tree.get(section, {}).get(key) is not None:
+            tree[section][key] = "<redacted>"
+    return tree
+
+
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the fully resolved config as YAML (the run's record of what it ran)."""
-    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    """Write the fully resolved config as YAML (the run's record of what it ran; secrets redacted)."""
+    Path(path).write_text(yaml.safe_dump(config_record(cfg), sort_keys=False))

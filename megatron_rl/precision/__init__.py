@@ -1,4 +1,4 @@
-"""Precision layer: the FP8 policy's leaf implementations (TE on GPU, fake-quant emulation on CPU).
+"""Precision layer: the FP8/FP4 policy's leaf implementations (TE on GPU, fake-quant emulation on CPU).
 
 Public surface used by the rest of the code:
 - `linear_classes_for_layer(cfg, layer_index, num_layers)`: (column, row) parallel linear classes
@@ -6,16 +6,19 @@ Public surface used by the rest of the code:
 - `high_precision()` / `high_precision_active()`: disable FP8 for shadow passes.
 - `fp8_forward_context(cfg, model_config=None)`: wrap learner forward passes (TE autocast on GPU).
 - `quantize_blockwise` / `dequantize_blockwise` / `quantize_per_channel`: rollout weight export.
+- `fake_quant_fp4(x, fmt="nvfp4"|"mxfp4", axis=-1)`: dequantized FP4 values (fp4.py documents the exact arithmetic).
 - `save_fp8_checkpoint` / `load_fp8_checkpoint` (hf_fp8), `load_fp8_checkpoint_into` (w8a8).
 
 Modules: numerics (TE-convention quantizers), blockwise (checkpoint-convention quantizers),
-linear (fake-quant autograd + megatron subclasses), context, te (GPU mapping), hf_fp8, w8a8.
+linear (fake-quant autograd + megatron subclasses), fp4 (E2M1 / NVFP4 / MXFP4 numerics),
+fp4_linear (FP4 operand rules of the linear), context, te (GPU mapping), hf_fp8, w8a8.
 """
 from __future__ import annotations
 
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.precision.blockwise import dequantize_blockwise, quantize_blockwise, quantize_per_channel
 from megatron_rl.precision.context import fp8_forward_context
+from megatron_rl.precision.fp4 import fake_quant_fp4
 from megatron_rl.precision.state import high_precision, high_precision_active
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "linear_classes_for_layer",
     "layer_uses_fp8",
     "fp8_forward_context",
+    "fake_quant_fp4",
     "quantize_blockwise",
     "dequantize_blockwise",
     "quantize_per_channel",
@@ -34,7 +38,7 @@ __all__ = [
 
 
 def layer_uses_fp8(cfg: PrecisionConfig, layer_index: int, num_layers: int) -> bool:
-    """True when 0-based global layer `layer_index` of `num_layers` runs its linears in FP8."""
+    """True when 0-based global layer `layer_index` of `num_layers` runs its linears in low precision (FP8 or FP4)."""
     if cfg.recipe == "none":
         return False
     if not 0 <= layer_index < num_layers:

@@ -25,7 +25,7 @@ def fp8_forward_context(cfg: PrecisionConfig, model_config: Optional[Any] = None
         return contextlib.nullcontext()
     if high_precision_active():
         return te.te_disabled(model_config)
-    if model_config is not None and getattr(model_config, "fp8", None):
-        # megatron enters get_fp8_context(config, layer_no) itself (honouring first/last BF16 layers).
+    if model_config is not None and (getattr(model_config, "fp8", None) or getattr(model_config, "fp4", None)):
+        # megatron enters get_fp8_context / get_fp4_context(config, layer_no) itself (honouring first/last BF16 layers).
         return contextlib.nullcontext()
     return te.autocast_context(cfg)

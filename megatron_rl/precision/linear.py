@@ -1,4 +1,4 @@
-"""Fake-quant FP8 linear layers for the CPU learner, emulating TE's recipes GEMM by GEMM.
+"""Fake-quant FP8 (and FP4) linear layers for the CPU learner, emulating TE's recipes GEMM by GEMM.
 
 Like TE, every GEMM consumes FP8 operands with fp32 accumulation (here: dequantized values and
 an fp32 matmul):
@@ -12,6 +12,9 @@ scaled along the contraction dim of fprop/dgrad, column-wise copies along tokens
 contraction), both quantized from high precision as TE does. For per-tensor recipes
 (tensorwise, delayed) both copies are the same values. The bias gradient is taken from the
 high-precision dY (TE fuses it into the quantization of dY).
+
+The FP4 recipes (nvfp4, mxfp4) plug their own operand rules into the same GEMMs through
+`make_quantizer` (precision/fp4_linear.py).
 
 The megatron subclasses override ``_forward_impl``, the hook ColumnParallelLinear and
 RowParallelLinear call with the arguments of linear_with_grad_accumulation_and_async_allreduce,
@@ -73,13 +76,13 @@ class ModuleQuantizer:
         return 32 if self.recipe == "mxfp8" else 128
 
     def operand_pair(self, role: str, x2d: torch.Tensor, fmt: nx.Fp8Format, update: bool = True,
-                     amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row-wise, column-wise) dequantized copies of a [tokens, features] activation or gradient."""
+                     amax: Optional[torch.Tensor] = None, columnwise: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(row-wise, column-wise) dequantized copies of a [tokens, features] activation or gradient (column-wise None unless wanted)."""
         if self.recipe in ("delayed", "tensorwise"):
             q = self._per_tensor(role, x2d, fmt, update, amax)
             return q, q
         n = self._block_len()
-        return self._blocks(x2d, (1, n), fmt), self._blocks(x2d, (n, 1), fmt)
+        return self._blocks(x2d, (1, n), fmt), self._blocks(x2d, (n, 1), fmt) if columnwise else None
 
     def weight_pair(self, w: torch.Tensor, update: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(fprop, dgrad) dequantized copies of a [out, in] weight."""
@@ -100,6 +103,15 @@ class ModuleQuantizer:
         """Restore delayed-scaling state."""
         for k, v in state.items():
             self.delayed[k].load_state_dict(v)
+
+
+def make_quantizer(cfg: PrecisionConfig):
+    """The per-module quantizer of cfg.recipe: FP8 recipes share ModuleQuantizer, FP4 recipes use Fp4ModuleQuantizer."""
+    if cfg.fp4_enabled:
+        from megatron_rl.precision.fp4_linear import Fp4ModuleQuantizer
+
+        return Fp4ModuleQuantizer(cfg)
+    return ModuleQuantizer(cfg)
 
 
 def _tp_amax(x: torch.Tensor, group) -> torch.Tensor:
@@ -130,12 +142,17 @@ class FakeQuantLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, quant: ModuleQuantizer, allreduce_dgrad: bool = False,
-                sequence_parallel: bool = False, tp_group=None, gradient_accumulation_fusion: bool = False):
-        """fprop GEMM on dequantized E4M3 operands, fp32 accumulate, output in input's dtype."""
+                sequence_parallel: bool = False, tp_group=None, gradient_accumulation_fusion: bool = False,
+                wgrad: bool = True):
+        """fprop GEMM on dequantized E4M3 operands, fp32 accumulate, output in input's dtype.
+
+        `wgrad` False (a forward-only pass: grad mode off or a frozen weight) skips the column-wise
+        copy of the input, which only the wgrad GEMM reads.
+        """
         total = _gather_first_dim(input, tp_group) if sequence_parallel else input
         x2d = total.reshape(-1, total.shape[-1])
         amax = _tp_amax(input, tp_group) if sequence_parallel and quant.recipe in ("delayed", "tensorwise") else None
-        x_row, x_col = quant.operand_pair("input", x2d, quant.fwd_fmt, amax=amax)
+        x_row, x_col = quant.operand_pair("input", x2d, quant.fwd_fmt, amax=amax, columnwise=wgrad)
         w_fprop, w_dgrad = quant.weight_pair(weight)
         out = (x_row @ w_fprop.t()).to(input.dtype)
         out = out.reshape(*total.shape[:-1], weight.shape[0])
@@ -158,7 +175,7 @@ class FakeQuantLinearFunction(torch.autograd.Function):
         x_col, w_dgrad, weight = ctx.saved_tensors
         quant: ModuleQuantizer = ctx.quant
         dy2d = grad_output.reshape(-1, grad_output.shape[-1])
-        dy_row, dy_col = quant.operand_pair("grad", dy2d, quant.grad_fmt)
+        dy_row, dy_col = quant.operand_pair("grad", dy2d, quant.grad_fmt, columnwise=ctx.needs_input_grad[1])
         grad_input = (dy_row @ w_dgrad).to(ctx.in_dtype).reshape(ctx.in_shape)
         if ctx.allreduce_dgrad:
             torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
@@ -173,12 +190,17 @@ class FakeQuantLinearFunction(torch.autograd.Function):
                 weight.grad_added_to_main_grad = True
                 grad_weight = torch.zeros_like(weight)
         grad_bias = dy2d.sum(dim=0).to(grad_output.dtype) if ctx.use_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _wgrad_needed(weight: torch.Tensor) -> bool:
+    """Whether a wgrad GEMM can follow this forward (autograd.Function.forward cannot see the caller's grad mode)."""
+    return torch.is_grad_enabled() and weight.requires_grad
 
 
 def fake_quant_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], quant: ModuleQuantizer) -> torch.Tensor:
     """Single-process FP8 fake-quant linear (no TP communication)."""
-    return FakeQuantLinearFunction.apply(input, weight, bias, quant, False, False, None, False)
+    return FakeQuantLinearFunction.apply(input, weight, bias, quant, False, False, None, False, _wgrad_needed(weight))
 
 
 class FakeQuantLinear(torch.nn.Linear):
@@ -187,7 +209,7 @@ class FakeQuantLinear(torch.nn.Linear):
     def __init__(self, in_features: int, out_features: int, cfg: PrecisionConfig, bias: bool = True, **kwargs):
         """nn.Linear plus its own ModuleQuantizer."""
         super().__init__(in_features, out_features, bias=bias, **kwargs)
-        self.fp8_quant = ModuleQuantizer(cfg)
+        self.fp8_quant = make_quantizer(cfg)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Fake-quant linear, or the plain linear inside high_precision()."""
@@ -203,7 +225,7 @@ class _Fp8ParallelMixin:
 
     def _init_fp8(self) -> None:
         """Attach the per-module quantizer (delayed-scaling state lives here)."""
-        self.fp8_quant = ModuleQuantizer(self.fp8_policy)
+        self.fp8_quant = make_quantizer(self.fp8_policy)
         if self.fp8_policy.recipe == "delayed":
             from megatron.core import parallel_state
 
@@ -214,7 +236,7 @@ class _Fp8ParallelMixin:
                     self.fp8_quant.amax_group = group
 
     def get_extra_state(self) -> Optional[dict]:
-        """Delayed-scaling histories and scales (None for stateless recipes): checkpointed as TE's _extra_state is."""
+        """Delayed-scaling histories and scales, FP4 stream positions (None for stateless recipes): checkpointed as TE's _extra_state is."""
         return self.fp8_quant.state_dict() or None
 
     def set_extra_state(self, state) -> None:
@@ -237,7 +259,7 @@ class _Fp8ParallelMixin:
         if allreduce_dgrad or sequence_parallel:
             tp_group = get_tensor_model_parallel_group_if_none(tp_group if tp_group is not None else getattr(self, "tp_group", None))
         return FakeQuantLinearFunction.apply(input, weight, bias, self.fp8_quant, allreduce_dgrad, sequence_parallel,
-                                             tp_group, gradient_accumulation_fusion)
+                                             tp_group, gradient_accumulation_fusion, _wgrad_needed(weight))
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,6 +9,12 @@ get FP32 scales (``power_of_two_scales=False``, this project's default) is there
 LAUNCHER to export ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` before Python starts: use
 ``launcher_env(cfg)``. Nothing in this package sets environment variables;
 ``check_te_environment(cfg)`` fails fast when the imported TE disagrees with the policy.
+
+FP4: ``nvfp4`` maps onto megatron-core 0.16's ``fp4="e2m1"``, ``fp4_recipe="nvfp4"`` (megatron builds
+TE's ``NVFP4BlockScaling()``, TE >= 2.8, Blackwell GPUs). That recipe, too, reads its options from
+the environment when TE is imported (``NVTE_NVFP4_DISABLE_RHT``, ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING``),
+so ``precision.fp4_hadamard_wgrad`` / ``fp4_stochastic_rounding`` reach it through ``launcher_env``
+as well. ``mxfp4`` has no TE or megatron recipe: it is a CPU emulation and is refused on GPU.
 """
 from __future__ import annotations
 
@@ -22,6 +28,10 @@ from megatron_rl.config.precision import PrecisionConfig
 
 FP32_BLOCK_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 """Environment variable TE reads at import time to use FP32 (not power-of-two) block scales."""
+NVFP4_DISABLE_RHT_ENV = "NVTE_NVFP4_DISABLE_RHT"
+"""TE >= 2.8 reads it at import time: 1 turns off NVFP4BlockScaling's wgrad Hadamard transform."""
+NVFP4_DISABLE_SR_ENV = "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"
+"""TE >= 2.8 reads it at import time: 1 turns off NVFP4BlockScaling's stochastic rounding of gradients."""
 
 
 def te_available() -> bool:
@@ -34,6 +44,19 @@ def transformer_config_kwargs(cfg: PrecisionConfig) -> dict[str, Any]:
     if cfg.recipe == "none":
         return {"fp8": None, "fp8_param": False, "first_last_layers_bf16": False}
     k = cfg.first_last_layers_high_precision
+    if cfg.recipe == "mxfp4":
+        raise ValueError("precision.recipe=mxfp4 is a CPU emulation: megatron-core and Transformer Engine have no MXFP4 "
+                         "training recipe (use nvfp4 on GPU)")
+    if cfg.recipe == "nvfp4":
+        return {
+            "fp8": None,
+            "fp4": "e2m1",
+            "fp4_recipe": "nvfp4",
+            "fp4_param": cfg.fp8_params,
+            "first_last_layers_bf16": k > 0,
+            "num_layers_at_start_in_bf16": k,
+            "num_layers_at_end_in_bf16": k,
+        }
     return {
         "fp8": cfg.fp8_format,
         "fp8_recipe": cfg.recipe,
@@ -51,11 +74,21 @@ def launcher_env(cfg: PrecisionConfig) -> dict[str, str]:
     """Environment variables the launcher must export before starting learner processes."""
     if cfg.recipe == "blockwise" and not cfg.power_of_two_scales:
         return {FP32_BLOCK_SCALES_ENV: "1"}
+    if cfg.recipe == "nvfp4":
+        env = {}
+        if not cfg.fp4_hadamard_wgrad:
+            env[NVFP4_DISABLE_RHT_ENV] = "1"
+        if not cfg.fp4_stochastic_rounding:
+            env[NVFP4_DISABLE_SR_ENV] = "1"
+        return env
     return {}
 
 
 def check_te_environment(cfg: PrecisionConfig) -> None:
-    """Raise if the imported TE's block-scale mode contradicts cfg (the env var was not exported in time)."""
+    """Raise if the imported TE cannot run cfg's recipe, or its import-time options contradict cfg (env vars not exported in time)."""
+    if cfg.fp4_enabled:
+        _check_te_nvfp4(cfg)
+        return
     if cfg.recipe != "blockwise":
         return
     from transformer_engine.common.recipe import Float8BlockScaling
@@ -67,6 +100,27 @@ def check_te_environment(cfg: PrecisionConfig) -> None:
             f"precision.power_of_two_scales={cfg.power_of_two_scales} but Transformer Engine was imported with "
             f"power-of-two block scales={te_pow2}; the launcher must export {FP32_BLOCK_SCALES_ENV}={want} "
             "before Python starts (see megatron_rl.precision.te.launcher_env)")
+
+
+def _check_te_nvfp4(cfg: PrecisionConfig) -> None:
+    """nvfp4 needs TE >= 2.8 (NVFP4BlockScaling) on a Blackwell GPU, with its RHT / SR defaults matching cfg."""
+    if cfg.recipe == "mxfp4":
+        transformer_config_kwargs(cfg)  # raises: no GPU recipe
+    from transformer_engine.common import recipe as te
+
+    if not hasattr(te, "NVFP4BlockScaling"):
+        raise RuntimeError("precision.recipe=nvfp4 needs Transformer Engine >= 2.8 (recipe.NVFP4BlockScaling)")
+    if torch.cuda.get_device_capability() < (10, 0):
+        raise RuntimeError(f"precision.recipe=nvfp4 needs a Blackwell GPU (compute capability >= 10.0) for TE's NVFP4 "
+                           f"GEMMs; this one is {torch.cuda.get_device_capability()}")
+    for field, env, te_disabled in (("fp4_hadamard_wgrad", NVFP4_DISABLE_RHT_ENV, te.NVFP4BlockScaling.disable_rht),
+                                    ("fp4_stochastic_rounding", NVFP4_DISABLE_SR_ENV,
+                                     te.NVFP4BlockScaling.disable_stochastic_rounding)):
+        if bool(te_disabled) == bool(getattr(cfg, field)):
+            want = "1" if not getattr(cfg, field) else "0 (or unset)"
+            raise RuntimeError(f"precision.{field}={getattr(cfg, field)} but Transformer Engine was imported with "
+                               f"NVFP4BlockScaling {env.split('NVTE_NVFP4_')[1].lower()}={bool(te_disabled)}; the launcher must "
+                               f"export {env}={want} before Python starts (see megatron_rl.precision.te.launcher_env)")
 
 
 def te_recipe(cfg: PrecisionConfig):
@@ -86,6 +140,10 @@ def te_recipe(cfg: PrecisionConfig):
         return te.Float8BlockScaling(fp8_format=fmt)
     if cfg.recipe == "mxfp8":
         return te.MXFP8BlockScaling(fp8_format=fmt)
+    if cfg.fp4_enabled:
+        check_te_environment(cfg)
+        return te.NVFP4BlockScaling(disable_rht=not cfg.fp4_hadamard_wgrad,
+                                    disable_stochastic_rounding=not cfg.fp4_stochastic_rounding)
     raise ValueError(f"unknown FP8 recipe {cfg.recipe!r}")
 
 
@@ -116,13 +174,13 @@ def autocast_context(cfg: PrecisionConfig, group: Optional[object] = None):
 
 @contextlib.contextmanager
 def te_disabled(model_config: Optional[Any] = None):
-    """Run with TE FP8 off: megatron's blocks enter get_fp8_context per layer from config.fp8, so it is cleared too."""
-    saved = getattr(model_config, "fp8", None) if model_config is not None else None
-    if model_config is not None:
-        model_config.fp8 = None
+    """Run with TE FP8/FP4 off: megatron's blocks enter get_fp8_context / get_fp4_context per layer from config.fp8 / config.fp4, so both are cleared too."""
+    saved = {k: getattr(model_config, k, None) for k in ("fp8", "fp4")} if model_config is not None else {}
+    for k in saved:
+        setattr(model_config, k, None)
     try:
         with te_autocast(False):
             yield
     finally:
-        if model_config is not None:
-            model_config.fp8 = saved
+        for k, v in saved.items():
+            setattr(model_config, k, v)

@@ -147,8 +147,12 @@ class RolloutClient:
     """Talks SGLang's native HTTP protocol to one or more servers (round-robin over `urls`)."""
 
     def __init__(self, urls: Union[str, Sequence[str]], concurrency: int = 8, request_timeout_s: float = 120.0,
-                 max_retries: int = 3, retry_backoff_s: float = 0.5, connect_timeout_s: float = 10.0):
-        """Validate settings; no connection is made until a request."""
+                 max_retries: int = 3, retry_backoff_s: float = 0.5, connect_timeout_s: float = 10.0,
+                 api_key: Optional[str] = None):
+        """Validate settings; no connection is made until a request.
+
+        api_key: sent as `Authorization: Bearer <api_key>` on every request (servers started with --api-key).
+        """
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("urls must list at least one server URL")
@@ -170,6 +174,7 @@ class RolloutClient:
         self.retry_backoff_s = retry_backoff_s
         self.connect_timeout_s = min(connect_timeout_s, request_timeout_s)
         self._rr = itertools.count()
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.dead: set[str] = set()
         """URLs given up on for /generate (their requests go to the other URLs)."""
 
@@ -178,13 +183,13 @@ class RolloutClient:
         """A client built from a `RolloutConfig` (urls default to cfg.urls)."""
         return cls(list(urls) if urls is not None else cfg.urls, concurrency=cfg.concurrency,
                    request_timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
-                   retry_backoff_s=cfg.retry_backoff_s)
+                   retry_backoff_s=cfg.retry_backoff_s, api_key=cfg.api_key)
 
     # ---------------------------------------------------------------------------- transport
     def _session(self) -> aiohttp.ClientSession:
         """A session for one top-level call (sessions are bound to their event loop)."""
         connector = aiohttp.TCPConnector(limit=max(self.concurrency, 1) * len(self.urls))
-        return aiohttp.ClientSession(connector=connector)
+        return aiohttp.ClientSession(connector=connector, headers=self._headers)
 
     async def _request(self, session: aiohttp.ClientSession, url: str, method: str, path: str,
                        payload: Optional[dict] = None, timeout_s: Optional[float] = None,

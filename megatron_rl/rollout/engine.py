@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 GREEDY_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 # SGLang sampling_params keys this engine implements (any value).
 SUPPORTED_SAMPLING_KEYS = (
@@ -41,7 +43,11 @@ NEUTRAL_SAMPLING_KEYS: dict[str, Any] = {
 ModelLoader = Callable[[str], torch.nn.Module]
 
 
-class SamplingParamsError(ValueError):
+class InvalidRequest(ValueError):
+    """A request the engine cannot run as given (answered 400, never retried); the message names the field."""
+
+
+class SamplingParamsError(InvalidRequest):
     """A sampling_params entry is unknown, unsupported or out of range; `key` names it."""
 
     def __init__(self, key: str, message: str):
@@ -121,6 +127,8 @@ class SamplingParams:
         for key in ("temperature", "top_p", "min_p"):
             if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), (int, float)):
                 raise bad(key, "must be a number")
+            if not _is_finite(getattr(self, key)):
+                raise bad(key, "must be a finite number")
         for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be a boolean")
@@ -181,6 +189,14 @@ class GenerationOutput:
     """Prompt length."""
     text: Optional[str] = None
     """Decoded completion (None without a tokenizer)."""
+
+
+def _is_finite(x: float) -> bool:
+    """False for NaN, +-inf and integers too large for a float (JSON allows them; the sampler cannot take them)."""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = True) -> torch.nn.Module:
@@ -326,15 +342,30 @@ class Engine:
 
     # ------------------------------------------------------------------------------- generate
     def check_request(self, req: GenerationRequest) -> None:
-        """Raise ValueError (naming the field) for a prompt the model cannot take."""
-        if not req.input_ids:
-            raise ValueError("input_ids is empty")
-        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in req.input_ids):
-            raise ValueError(f"input_ids contains a token outside [0, {self.vocab_size})")
-        if len(req.input_ids) >= self.max_context_len:
-            raise ValueError(f"The input ({len(req.input_ids)} tokens) is longer than the model's context "
-                             f"length ({self.max_context_len} tokens)")
-        if req.params.stop and self.tokenizer is None:
+        """Raise InvalidRequest (naming the field) for a request this model cannot take.
+
+        Every token-id-valued field is range-checked here: an id outside the vocabulary would index
+        out of range inside the decode loop and fail the whole batch it shares.
+        """
+        ids = req.input_ids
+        if not ids:
+            raise InvalidRequest("input_ids is empty")
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in ids):
+            raise InvalidRequest(f"input_ids contains a token outside [0, {self.vocab_size})")
+        if len(ids) >= self.max_context_len:
+            raise InvalidRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                                 f"({self.max_context_len} tokens).")
+        p = req.params
+        bad_stop = [t for t in p.stop_token_ids if t < 0 or t >= self.vocab_size]
+        if bad_stop:
+            raise SamplingParamsError("stop_token_ids", f"sampling_params.stop_token_ids contains {bad_stop[0]}, "
+                                      f"outside the vocabulary [0, {self.vocab_size})")
+        if p.min_new_tokens > 0:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos)
+            if len(stops) >= self.vocab_size:
+                raise SamplingParamsError("min_new_tokens", "sampling_params.min_new_tokens > 0 masks every stop "
+                                          "token, but stop_token_ids (with EOS) cover the whole vocabulary")
+        if p.stop and self.tokenizer is None:
             raise SamplingParamsError("stop", "sampling_params.stop needs a tokenizer (start the server with --tokenizer-path)")
 
     @torch.inference_mode()
@@ -371,9 +402,12 @@ class Engine:
             if budget[r] <= 0:
                 reasons[r] = {"type": "length", "length": params[r].max_new_tokens}
 
-        temp = torch.tensor([max(p.temperature, GREEDY_TEMPERATURE) for p in params])
+        # capped at float32's largest value: beyond it the tensor would hold inf, and a masked (-inf) logit
+        # divided by inf is NaN; the capped value gives the same (uniform) distribution
+        temp = torch.tensor([min(max(p.temperature, GREEDY_TEMPERATURE), MAX_TEMPERATURE) for p in params])
         greedy = torch.tensor([p.greedy for p in params])
-        top_k = torch.tensor([p.top_k for p in params])
+        # a top_k beyond the vocabulary keeps every token (and may not fit an int64)
+        top_k = torch.tensor([min(p.top_k, self.vocab_size) for p in params])
         top_p = torch.tensor([float(p.top_p) for p in params])
         min_p = torch.tensor([float(p.min_p) for p in params])
 
@@ -488,5 +522,5 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; needs a tokenizer."""
         if self.tokenizer is None:
-            raise ValueError("text input needs a tokenizer (start the server with --tokenizer-path), or send input_ids")
+            raise InvalidRequest("text input needs a tokenizer (start the server with --tokenizer-path), or send input_ids")
         return list(self.tokenizer.encode(text))

@@ -230,8 +230,10 @@ def public_host(bind_host: str) -> str:
 def engine_command(model_path: str, port: int, host: str = "127.0.0.1", tokenizer_path: Optional[str] = None,
                    random_seed: int = 0, model_loader: Optional[str] = None, num_threads: int = 1,
                    extra_args: Sequence[str] = (), deterministic: bool = False,
-                   parent_pid: Optional[int] = None, kv_cache_dtype: str = "auto") -> list[str]:
-    """argv of one embedded engine (with `parent_pid` it exits when that process dies)."""
+                   parent_pid: Optional[int] = None, kv_cache_dtype: str = "auto", api_key: Optional[str] = None,
+                   max_n: Optional[int] = None) -> list[str]:
+    """argv of one embedded engine (with `parent_pid` it exits when that process dies; with `api_key`
+    it requires that bearer key; `max_n` raises its limit on samples per prompt)."""
     cmd = [sys.executable, "-m", "megatron_rl.rollout.server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--random-seed", str(random_seed), "--num-threads", str(num_threads)]
     if tokenizer_path:
@@ -244,7 +246,18 @@ def engine_command(model_path: str, port: int, host: str = "127.0.0.1", tokenize
         cmd += ["--kv-cache-dtype", kv_cache_dtype]
     if parent_pid:
         cmd += ["--parent-pid", str(parent_pid)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if max_n:
+        cmd += ["--max-n", str(max_n)]
     return cmd + list(extra_args)
+
+
+def engine_max_n(n_samples_per_prompt: int) -> Optional[int]:
+    """The --max-n an embedded engine needs for GRPO groups of this size (None: the server's default suffices)."""
+    from megatron_rl.rollout.validation import DEFAULT_MAX_N
+
+    return n_samples_per_prompt if n_samples_per_prompt > DEFAULT_MAX_N else None
 
 
 def router_command(worker_urls: Sequence[str], port: int, host: str = "127.0.0.1", policy: str = "round_robin",
@@ -277,7 +290,8 @@ class EngineSpec:
 
 def start_cluster(specs: Sequence[EngineSpec], *, host: str = "127.0.0.1", base_port: int = 0,
                   use_router: bool = False, router_policy: str = "round_robin", startup_timeout_s: float = 120.0,
-                  log_dir: Optional[str] = None, router_args: Sequence[str] = ()) -> RolloutCluster:
+                  log_dir: Optional[str] = None, router_args: Sequence[str] = (),
+                  api_key: Optional[str] = None) -> RolloutCluster:
     """Start every engine of `specs`, wait for each /health, then optionally the router; all stopped on any failure.
 
     Ports are free ports unless `base_port` > 0 (engine i: base_port + i, router: base_port + len(specs)).
@@ -301,9 +315,12 @@ def start_cluster(specs: Sequence[EngineSpec], *, host: str = "127.0.0.1", base_
             wait_healthy(e, "/health", startup_timeout_s)
         if use_router:
             port = base_port + len(specs) if base_port > 0 else free_port(host)
-            cluster.router = _spawn("router", router_command(cluster.worker_urls, port, host, router_policy, router_args),
+            # with a key the router requires it from clients and authorizes itself to the workers with it
+            key_args = ["--api-key", api_key] if api_key else []
+            cluster.router = _spawn("router", router_command(cluster.worker_urls, port, host, router_policy,
+                                                             [*key_args, *router_args]),
                                     f"http://{url_host}:{port}", log_dir)
-            wait_router(cluster.router, len(cluster.engines), startup_timeout_s)
+            wait_router(cluster.router, len(cluster.engines), startup_timeout_s, api_key=api_key)
         return cluster
     except BaseException:
         cluster.stop()
@@ -316,13 +333,16 @@ def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
                    router_policy: str = "round_robin", startup_timeout_s: float = 120.0,
                    log_dir: Optional[str] = None, engine_args: Sequence[str] = (),
                    router_args: Sequence[str] = (), deterministic: bool = False,
-                   kv_cache_dtype: str = "auto") -> RolloutCluster:
+                   kv_cache_dtype: str = "auto", api_key: Optional[str] = None,
+                   max_n: Optional[int] = None) -> RolloutCluster:
     """Start `num_engines` embedded engines (engine i seeded random_seed + i), wait for /health, optionally start the router.
 
     `model_loader` is a 'package.module:function' path handed to each server. Engines exit on
     their own when this process dies (even by SIGKILL), so none is left orphaned.
     `deterministic` makes each engine generate requests one at a time (batch-invariant samples);
-    `kv_cache_dtype="fp8_e4m3"` emulates SGLang's FP8 KV cache.
+    `kv_cache_dtype="fp8_e4m3"` emulates SGLang's FP8 KV cache. `api_key` is required by every
+    engine (their /health stays open) and by the router; `max_n` raises the engines' limit on
+    sampling_params.n for large GRPO groups.
     """
     if num_engines < 1:
         raise ValueError("num_engines must be >= 1")
@@ -331,15 +351,17 @@ def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
     def spec(i: int) -> EngineSpec:
         return EngineSpec(lambda port: engine_command(model_path, port, host, tokenizer_path, random_seed + i, model_loader,
                                                       num_threads, engine_args, deterministic=deterministic,
-                                                      parent_pid=parent, kv_cache_dtype=kv_cache_dtype))
+                                                      parent_pid=parent, kv_cache_dtype=kv_cache_dtype,
+                                                      api_key=api_key, max_n=max_n))
 
     return start_cluster([spec(i) for i in range(num_engines)], host=host, base_port=base_port, use_router=use_router,
                          router_policy=router_policy, startup_timeout_s=startup_timeout_s, log_dir=log_dir,
-                         router_args=router_args)
+                         router_args=router_args, api_key=api_key)
 
 
-def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float) -> None:
-    """Wait until the router lists `num_workers` healthy workers and answers /health."""
+def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float, api_key: Optional[str] = None) -> None:
+    """Wait until the router lists `num_workers` healthy workers and answers /health (a router given
+    --api-key guards its worker list with the key)."""
     from megatron_rl.rollout.topology import router_workers
 
     deadline = time.monotonic() + timeout_s
@@ -349,7 +371,7 @@ def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float) -> N
         if router.proc.poll() is not None:
             break
         try:
-            workers = router_workers(router.url, healthy_only=True)
+            workers = router_workers(router.url, healthy_only=True, api_key=api_key)
             if workers is not None and len(workers) >= num_workers:
                 return
             last = f"{len(workers or [])}/{num_workers} workers registered"
@@ -368,7 +390,8 @@ def _launch_embedded(cfg, precision, model_path: str, tokenizer_path: Optional[s
                           base_port=cfg.base_port, random_seed=cfg.seed, model_loader=model_loader,
                           num_threads=num_threads, use_router=cfg.use_router, router_policy=cfg.router_policy,
                           startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir,
-                          deterministic=cfg.deterministic_inference, kv_cache_dtype=precision.kv_cache_dtype)
+                          deterministic=cfg.deterministic_inference, kv_cache_dtype=precision.kv_cache_dtype,
+                          api_key=cfg.api_key, max_n=engine_max_n(cfg.n_samples_per_prompt))
 
 
 def _launch_sglang(cfg, precision, model_path: str, tokenizer_path: Optional[str], log_dir: Optional[str],

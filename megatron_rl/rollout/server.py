@@ -5,9 +5,15 @@ single worker thread (the event loop never blocks), so a trainer sending many co
 requests gets batched decoding like from a real SGLang server. Weight reloads run on the same
 worker thread, between batches.
 
+Every /generate body is validated (rollout/validation.py) before it joins a batch; a batch that
+still fails at run time is retried item by item, so a failing request fails alone with its own
+status and its batch-mates complete. Bodies are read with a size limit and a timeout and parsed off
+the event loop, and `--api-key` guards every endpoint but /health (rollout/http.py).
+
 Run:
-    python -m megatron_rl.rollout.server --model-path DIR [--tokenizer-path DIR] \
+    megatron-rl serve --model-path DIR [--tokenizer-path DIR] [--api-key KEY] \
         --host 127.0.0.1 --port 30000 --random-seed 0 [--model-loader pkg.module:function]
+(`python -m megatron_rl.rollout.server` takes the same flags.)
 """
 from __future__ import annotations
 
@@ -22,27 +28,33 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from aiohttp import web
 
 from megatron_rl.rollout.engine import (
-    Engine, GenerationOutput, GenerationRequest, ModelLoader, SamplingParams, SamplingParamsError,
+    Engine, GenerationOutput, GenerationRequest, InvalidRequest, ModelLoader, SamplingParams,
+)
+from megatron_rl.rollout.http import (
+    BadRequest, api_key_middleware, body_middleware, error_response, gc_paused, parse_json_object, read_json,
+)
+from megatron_rl.rollout.validation import (
+    DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST, ModelFacts, RequestError, RequestLimits, validate_generate,
 )
 
 log = logging.getLogger("megatron_rl.rollout.server")
 
 SERVER_VERSION = "megatron_rl-embedded-0.1"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+# Parsing a body holds the interpreter lock (~0.5 s at 16 MB of token ids), which bounds /health's stalls.
+DEFAULT_MAX_BODY_MB = 16.0
+# Bodies carrying serialized weights are larger than any generate request.
+DEFAULT_MAX_WEIGHT_BODY_MB = 4096.0
+WEIGHT_BODY_PATHS = ("/update_weights_from_tensor",)
+DEFAULT_READ_TIMEOUT_S = 30.0
 
-
-class BadRequest(ValueError):
-    """A client error answered with HTTP 400 and the message."""
-
-
-def _error(message: str, status: int = 400) -> web.Response:
-    """SGLang's JSON error body."""
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+_error = error_response
+_json_body = read_json
 
 
 @dataclass
@@ -76,12 +88,20 @@ class RolloutServer:
                  model_loader: Optional[ModelLoader] = None, random_seed: int = 0,
                  batch_window_s: float = 0.005, max_batch_size: int = 256,
                  weight_version: str = "default", host: str = "127.0.0.1", port: int = 0,
-                 exit_on_load_error: bool = False, deterministic: bool = False, kv_cache_dtype: str = "auto"):
+                 exit_on_load_error: bool = False, deterministic: bool = False, kv_cache_dtype: str = "auto",
+                 api_key: Optional[str] = None, max_n: int = DEFAULT_MAX_N,
+                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                 max_body_mb: float = DEFAULT_MAX_BODY_MB, max_weight_body_mb: float = DEFAULT_MAX_WEIGHT_BODY_MB,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
         """Configure the server; the model is loaded in the background once the app starts.
 
         deterministic: generate every request in a batch of its own, so a request's samples never
         depend on which other requests arrived in the same window (padding to a longer co-batched
         prompt changes the float rounding of its logits); SGLang's --enable-deterministic-inference.
+        api_key: require `Authorization: Bearer <api_key>` on every endpoint but /health (SGLang's rule).
+        max_n / max_sequences_per_request: bounds on sampling_params.n and on prompts x n per request
+        (the latter never below max_n). max_body_mb / max_weight_body_mb: request body limits
+        (the latter for tensor weight updates). read_timeout_s: time allowed to receive a body.
         """
         if batch_window_s < 0:
             raise ValueError("batch_window_s must be >= 0")
@@ -100,6 +120,15 @@ class RolloutServer:
         self.exit_on_load_error = exit_on_load_error
         self.deterministic = deterministic
         self.kv_cache_dtype = kv_cache_dtype
+        self.api_key = api_key or None
+        self.limits = RequestLimits(max_n=max_n, max_sequences=max(max_sequences_per_request, max_n))
+        if max_body_mb <= 0 or max_weight_body_mb <= 0:
+            raise ValueError("max_body_mb and max_weight_body_mb must be > 0")
+        if read_timeout_s <= 0:
+            raise ValueError("read_timeout_s must be > 0")
+        self.max_body_bytes = int(max_body_mb * 1024 * 1024)
+        self.max_weight_body_bytes = int(max_weight_body_mb * 1024 * 1024)
+        self.read_timeout_s = read_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._queue: Optional[asyncio.Queue] = None
         self._unpaused: Optional[asyncio.Event] = None
@@ -112,7 +141,9 @@ class RolloutServer:
     # --------------------------------------------------------------------------- lifecycle
     def make_app(self) -> web.Application:
         """The aiohttp application with every SGLang endpoint this server implements."""
-        app = web.Application(client_max_size=512 * 1024 * 1024, middlewares=[_log_requests])
+        middlewares = [_log_requests] + ([api_key_middleware(self.api_key)] if self.api_key else []) + [
+            body_middleware(self.max_body_bytes, self.read_timeout_s, WEIGHT_BODY_PATHS, self.max_weight_body_bytes)]
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=middlewares)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_get("/health", self.health)
@@ -190,32 +221,60 @@ class RolloutServer:
                 await self._run_batch(live)
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
-        """Generate one batch on the worker thread and resolve its futures."""
-        loop = asyncio.get_running_loop()
-        engine = self.engine
-        assert engine is not None
+        """Generate one batch on the worker thread and resolve its futures.
+
+        If the batch fails, each request is retried alone (only after a failure, so the common path
+        costs nothing): the request that cannot run gets its own error and its batch-mates complete.
+        """
         self._running += len(batch)
         self.batches_run += 1
         try:
-            # the abort check runs on the worker thread; it only reads sets/ints (GIL-atomic)
-            def job():
-                # the version is read on the worker thread, where weight reloads also run, so it
-                # always names the weights that produced these tokens
-                return engine.generate([p.request for p in batch], lambda i: self._is_aborted(batch[i])), self.weight_version
-
-            results, version = await loop.run_in_executor(self._executor, job)
-            for item, outs in zip(batch, results):
-                if not item.future.done():
-                    item.future.set_result((outs, version))
-        except Exception as exc:
-            log.exception("generation failed")
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(exc)
+            try:
+                self._resolve(batch, await self._generate_on_worker(batch))
+            except Exception as exc:
+                if len(batch) == 1:
+                    self._fail(batch[0], exc)
+                    return
+                log.warning("a batch of %d requests failed (%s: %s); retrying each alone", len(batch),
+                            type(exc).__name__, exc)
+                for item in batch:
+                    if item.future.done():
+                        continue
+                    try:
+                        self._resolve([item], await self._generate_on_worker([item]))
+                    except Exception as item_exc:
+                        self._fail(item, item_exc)
         finally:
             self._running -= len(batch)
             for item in batch:
                 self._aborted_rids.discard(item.rid)
+
+    async def _generate_on_worker(self, batch: list[_Pending]) -> tuple[list[list[GenerationOutput]], str]:
+        """(samples per request, weight version) of one engine call on the worker thread."""
+        engine = self.engine
+        assert engine is not None
+
+        # the abort check runs on the worker thread; it only reads sets/ints (GIL-atomic)
+        def job():
+            # the version is read on the worker thread, where weight reloads also run, so it
+            # always names the weights that produced these tokens
+            return engine.generate([p.request for p in batch], lambda i: self._is_aborted(batch[i])), self.weight_version
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, job)
+
+    @staticmethod
+    def _resolve(batch: list[_Pending], result: tuple[list[list[GenerationOutput]], str]) -> None:
+        outs_per_item, version = result
+        for item, outs in zip(batch, outs_per_item):
+            if not item.future.done():
+                item.future.set_result((outs, version))
+
+    @staticmethod
+    def _fail(item: _Pending, exc: Exception) -> None:
+        if not isinstance(exc, InvalidRequest):
+            log.error("generation of request %s failed: %s: %s", item.rid, type(exc).__name__, exc, exc_info=exc)
+        if not item.future.done():
+            item.future.set_exception(exc)
 
     def _is_aborted(self, item: _Pending) -> bool:
         return item.abort_epoch < self._abort_epoch or item.rid in self._aborted_rids
@@ -379,19 +438,26 @@ class RolloutServer:
         """SGLang /generate: one prompt or a batch; a list response for batched input."""
         if (resp := self._not_ready()) is not None:
             return resp
+        raw = await request.read()
+        facts = ModelFacts.of(self.engine)
+
+        def parse_and_validate():
+            # one worker-thread call: the parsed body never outlives it, and the collector stays paused
+            # until it is freed, so a body of many small containers is never traversed
+            with gc_paused():
+                return validate_generate(parse_json_object(raw), facts, self.limits)
+
         try:
-            body = await _json_body(request)
-            items, batched = parse_generate_request(body, self.engine)
-        except SamplingParamsError as exc:
+            # off the event loop: parsing, validating and tokenizing a large body must not delay /health
+            parsed = await asyncio.get_running_loop().run_in_executor(None, parse_and_validate)
+        except (BadRequest, RequestError) as exc:
             return _error(str(exc))
-        except (BadRequest, ValueError) as exc:
-            return _error(str(exc))
-        stream = bool(body.get("stream", False))
-        if stream and batched:
-            return _error("stream=true is only supported for a single (non-batched) prompt")
+        items, batched, stream = parsed.items, parsed.batched, parsed.stream
         t0 = time.perf_counter()
         try:
             results = await asyncio.gather(*(self._submit(it.request, it.rid) for it in items))
+        except InvalidRequest as exc:  # the model changed under the request (e.g. a smaller vocabulary)
+            return _error(str(exc))
         except Exception as exc:
             return _error(f"generation failed: {type(exc).__name__}: {exc}", 500)
         latency = time.perf_counter() - t0
@@ -404,68 +470,6 @@ class RolloutServer:
         if stream:
             return await _send_sse(request, out)
         return web.json_response(payload)
-
-
-@dataclass
-class _ParsedItem:
-    """One prompt of a /generate body."""
-
-    request: GenerationRequest
-    rid: str
-    return_logprob: bool
-    text_in_logprobs: bool
-
-
-def _per_item(value: Any, n: int, name: str, is_scalar: Callable[[Any], bool]) -> list:
-    """Broadcast a scalar request field over a batch, or check a per-item list's length."""
-    if isinstance(value, list) and not is_scalar(value):
-        if len(value) != n:
-            raise BadRequest(f"{name} has {len(value)} entries for {n} prompts")
-        return value
-    return [value] * n
-
-
-def parse_generate_request(body: dict, engine: Engine) -> tuple[list[_ParsedItem], bool]:
-    """Validate a /generate body into per-prompt requests; returns (items, batched)."""
-    has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
-    if has_ids == has_text:
-        raise BadRequest("exactly one of input_ids or text must be given")
-    if has_ids:
-        ids = body["input_ids"]
-        if not isinstance(ids, list) or not ids:
-            raise BadRequest("input_ids must be a non-empty list of token ids or a list of such lists")
-        batched = isinstance(ids[0], list)
-        prompts = ids if batched else [ids]
-        for k, p in enumerate(prompts):
-            if not isinstance(p, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                raise BadRequest(f"input_ids[{k}] must be a list of integers" if batched else "input_ids must be a list of integers")
-    else:
-        text = body["text"]
-        batched = isinstance(text, list)
-        texts = text if batched else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest("text must be a string or a non-empty list of strings")
-        prompts = [engine.encode(t) for t in texts]
-    n = len(prompts)
-    logprob_start_len = body.get("logprob_start_len")
-    for v in _per_item(logprob_start_len, n, "logprob_start_len", lambda x: False):
-        if v is not None and v != -1:
-            raise BadRequest("logprob_start_len >= 0 (input-token logprobs) is not supported by the embedded engine; use -1")
-    top_num = body.get("top_logprobs_num")
-    for v in _per_item(top_num, n, "top_logprobs_num", lambda x: False):
-        if v not in (None, 0):
-            raise BadRequest("top_logprobs_num > 0 is not supported by the embedded engine")
-    sp = _per_item(body.get("sampling_params"), n, "sampling_params", lambda x: False)
-    rids = _per_item(body.get("rid"), n, "rid", lambda x: False)
-    want_lp = _per_item(body.get("return_logprob", False), n, "return_logprob", lambda x: False)
-    text_lp = bool(body.get("return_text_in_logprobs", False))
-    items = []
-    for k in range(n):
-        req = GenerationRequest(list(prompts[k]), SamplingParams.from_dict(sp[k]))
-        engine.check_request(req)
-        rid = str(rids[k]) if rids[k] is not None else uuid.uuid4().hex
-        items.append(_ParsedItem(req, rid, bool(want_lp[k]), text_lp))
-    return items, batched
 
 
 def format_sample(sample: GenerationOutput, rid: str, weight_version: str, return_logprob: bool,
@@ -495,22 +499,6 @@ async def _log_requests(request: web.Request, handler) -> web.StreamResponse:
     return response
 
 
-async def _json_body(request: web.Request, allow_empty: bool = False) -> dict:
-    """The request's JSON object (BadRequest on malformed JSON)."""
-    raw = await request.read()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise BadRequest("request body must be a JSON object")
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
-
-
 async def _send_sse(request: web.Request, chunks: list[dict]) -> web.StreamResponse:
     """Server-sent events: the finished response(s) as `data:` events, then `data: [DONE]`."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -524,9 +512,13 @@ async def _send_sse(request: web.Request, chunks: list[dict]) -> web.StreamRespo
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """Command-line flags (a subset of sglang.launch_server's names)."""
-    p = argparse.ArgumentParser(prog="python -m megatron_rl.rollout.server", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megatron-rl serve", description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True, help="HF model directory (config.json + safetensors)")
-    p.add_argument("--tokenizer-path", default=None, help="HF tokenizer directory (enables text input and stop strings)")
+    p.add_argument("--tokenizer-path", default=None,
+                   help="HF tokenizer directory (enables text input and stop strings); default: the model "
+                        "directory when it holds tokenizer.json or tokenizer_config.json")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="do not load a tokenizer even if the model directory has one (token-id input only)")
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=30000, help="bind port")
     p.add_argument("--random-seed", type=int, default=0, help="seed of requests without sampling_seed")
@@ -541,8 +533,30 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="fp8_e4m3: emulate SGLang's FP8 KV cache (per-tensor scales 1.0)")
     p.add_argument("--parent-pid", type=int, default=0,
                    help="exit when this process (the launching trainer) is gone, even if it was SIGKILLed")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint except /health (as SGLang)")
+    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="largest sampling_params.n a request may ask for")
+    p.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                   help="largest number of sequences (prompts x n) in one request (at least --max-n)")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
+                   help="largest request body (MB); larger ones get 413")
+    p.add_argument("--max-weight-body-mb", type=float, default=DEFAULT_MAX_WEIGHT_BODY_MB,
+                   help="largest body of a tensor weight update (MB)")
+    p.add_argument("--read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="time allowed to receive a request body (408 and the connection closed after); "
+                        "also how long an idle connection is kept")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return p
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def discover_tokenizer(model_path: str) -> Optional[str]:
+    """The model directory when it holds a tokenizer (as SGLang, whose --tokenizer-path defaults to --model-path)."""
+    if any(os.path.isfile(os.path.join(model_path, name)) for name in TOKENIZER_FILES):
+        return model_path
+    return None
 
 
 def watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
@@ -561,21 +575,36 @@ def watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Serve until SIGINT/SIGTERM."""
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    for flag in ("max_n", "max_sequences_per_request"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("max_body_mb", "max_weight_body_mb", "read_timeout_s"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0")
+    tokenizer_path = args.tokenizer_path
+    if tokenizer_path is None and not args.skip_tokenizer_init:
+        tokenizer_path = discover_tokenizer(args.model_path)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if args.num_threads > 0:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    if tokenizer_path and not args.tokenizer_path:
+        log.info("using the tokenizer in %s", tokenizer_path)
     server = RolloutServer(
-        args.model_path, args.tokenizer_path, model_loader=resolve_model_loader(args.model_loader),
+        args.model_path, tokenizer_path, model_loader=resolve_model_loader(args.model_loader),
         random_seed=args.random_seed, batch_window_s=args.batch_window_ms / 1000.0,
         max_batch_size=args.max_batch_size, weight_version=args.weight_version, host=args.host, port=args.port,
-        exit_on_load_error=True, deterministic=args.enable_deterministic_inference, kv_cache_dtype=args.kv_cache_dtype)
+        exit_on_load_error=True, deterministic=args.enable_deterministic_inference, kv_cache_dtype=args.kv_cache_dtype,
+        api_key=args.api_key, max_n=args.max_n, max_sequences_per_request=args.max_sequences_per_request,
+        max_body_mb=args.max_body_mb, max_weight_body_mb=args.max_weight_body_mb, read_timeout_s=args.read_timeout_s)
     if args.parent_pid > 0:
         watch_parent(args.parent_pid)
-    web.run_app(server.make_app(), host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(server.make_app(), host=args.host, port=args.port, print=None, access_log=None,
+                keepalive_timeout=args.read_timeout_s)
     return 0
 
 

@@ -140,4 +140,4 @@ def launch_sglang_engines(cfg, precision, model_path: str, log_dir: Optional[str
 
     return start_cluster([spec(i) for i in range(cfg.num_engines)], host=cfg.host, base_port=cfg.base_port,
                          use_router=cfg.use_router, router_policy=cfg.router_policy,
-                         startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir)
+                         startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir, api_key=cfg.api_key)

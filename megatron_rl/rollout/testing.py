@@ -71,7 +71,8 @@ class ThreadedServer:
         from aiohttp import web
 
         async def serve() -> None:
-            runner = web.AppRunner(self.server.make_app(), access_log=None)
+            runner = web.AppRunner(self.server.make_app(), access_log=None,
+                                   keepalive_timeout=self.server.read_timeout_s)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()

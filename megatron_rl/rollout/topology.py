@@ -34,10 +34,11 @@ from typing import Any, Optional, Sequence
 from megatron_rl.config import ConfigError
 
 
-def _get_json(url: str, timeout_s: float) -> tuple[int, Any]:
-    """(HTTP status, parsed JSON body or None) of a GET; raises URLError/OSError when unreachable."""
+def _get_json(url: str, timeout_s: float, api_key: Optional[str] = None) -> tuple[int, Any]:
+    """(HTTP status, parsed JSON body or None) of a GET (with the bearer key, if any); raises URLError/OSError when unreachable."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
             body = resp.read()
             status = resp.status
     except urllib.error.HTTPError as exc:
@@ -48,13 +49,16 @@ def _get_json(url: str, timeout_s: float) -> tuple[int, Any]:
         return status, None
 
 
-def router_workers(url: str, timeout_s: float = 5.0, healthy_only: bool = False) -> Optional[list[str]]:
+def router_workers(url: str, timeout_s: float = 5.0, healthy_only: bool = False,
+                   api_key: Optional[str] = None) -> Optional[list[str]]:
     """The worker URLs an sglang-router at `url` lists, or None when `url` is not a router (an engine).
+
+    A router started with --api-key guards its worker list too: pass the key (rollout.api_key).
 
     Raises URLError/OSError when nothing answers at `url`.
     """
     base = url.rstrip("/")
-    status, data = _get_json(base + "/workers", timeout_s)
+    status, data = _get_json(base + "/workers", timeout_s, api_key)
     if status == 200 and isinstance(data, dict) and isinstance(data.get("workers"), list):
         out = []
         for w in data["workers"]:
@@ -63,27 +67,27 @@ def router_workers(url: str, timeout_s: float = 5.0, healthy_only: bool = False)
                     continue
                 out.append(w["url"].rstrip("/"))
         return out
-    status, data = _get_json(base + "/list_workers", timeout_s)
+    status, data = _get_json(base + "/list_workers", timeout_s, api_key)
     if status == 200 and isinstance(data, dict) and isinstance(data.get("urls"), list):
         return [str(u).rstrip("/") for u in data["urls"]]
     return None
 
 
-def is_router(url: str, timeout_s: float = 5.0) -> bool:
+def is_router(url: str, timeout_s: float = 5.0, api_key: Optional[str] = None) -> bool:
     """Whether `url` is an sglang-router (it lists workers) rather than an engine."""
-    return router_workers(url, timeout_s) is not None
+    return router_workers(url, timeout_s, api_key=api_key) is not None
 
 
-def _probe(field: str, url: str, timeout_s: float) -> Optional[list[str]]:
+def _probe(field: str, url: str, timeout_s: float, api_key: Optional[str] = None) -> Optional[list[str]]:
     """router_workers with a config-level error when `url` does not answer."""
     try:
-        return router_workers(url, timeout_s)
+        return router_workers(url, timeout_s, api_key=api_key)
     except (urllib.error.URLError, OSError) as exc:
         raise ConfigError(f"rollout.{field}: {url} does not answer ({exc}); start the servers first or fix the URL") from None
 
 
 def resolve_external(urls: Sequence[str], weight_update_urls: Sequence[str] = (),
-                     timeout_s: float = 5.0) -> tuple[list[str], list[str]]:
+                     timeout_s: float = 5.0, api_key: Optional[str] = None) -> tuple[list[str], list[str]]:
     """(generation URLs, weight-update URLs) of rollout.engine=external.
 
     Weight targets are `weight_update_urls` when given (each checked not to be a router), else the
@@ -92,7 +96,7 @@ def resolve_external(urls: Sequence[str], weight_update_urls: Sequence[str] = ()
     gen = [u.rstrip("/") for u in urls]
     targets: list[str] = []
     for u in weight_update_urls:
-        workers = _probe("weight_update_urls", u, timeout_s)
+        workers = _probe("weight_update_urls", u, timeout_s, api_key)
         if workers is not None:
             raise ConfigError(
                 f"rollout.weight_update_urls: {u} is an sglang-router, which does not forward weight updates; "
@@ -102,7 +106,7 @@ def resolve_external(urls: Sequence[str], weight_update_urls: Sequence[str] = ()
     if weight_update_urls:
         return gen, targets
     for u in gen:
-        workers = _probe("urls", u, timeout_s)
+        workers = _probe("urls", u, timeout_s, api_key)
         if workers is None:
             targets.append(u)
         elif not workers:

@@ -98,6 +98,10 @@ def build_model_chunks(arch: Architecture, config: Any, precision_cfg: Precision
         )
         if torch.cuda.is_available():
             model = model.cuda(torch.cuda.current_device())
+        if precision_cfg.fp4_enabled:
+            from megatron_rl.precision.fp4_linear import assign_fp4_streams
+
+            assign_fp4_streams(model)
         chunks.append(model)
     return chunks
 

@@ -117,12 +117,14 @@ def test_tied_embeddings(case, args, references, tmp_path):
     _assert_matches(results, ref)
 
 
-def test_fp8_emulation_layer_selection_under_pp(references, tmp_path):
-    """Per-layer FP8 choice uses global layer indices: PP=2 with high-precision ends equals one process.
+@pytest.mark.parametrize("recipe", ["blockwise", "nvfp4"])
+def test_fp8_emulation_layer_selection_under_pp(recipe, references, tmp_path):
+    """Per-layer FP8/FP4 choice uses global layer indices: PP=2 with high-precision ends equals one process.
 
-    (Only PP is compared under FP8: TP changes the activation quantization groups by design.)
+    (Only PP is compared under FP8: TP changes the activation quantization groups by design. Under
+    nvfp4 this also shows the stochastic-rounding streams are named by global layer, not by stage.)
     """
-    model_args = ("--recipe", "blockwise", "--hp-ends", "1")
+    model_args = ("--recipe", recipe, "--hp-ends", "1")
     ref_dir, ref = references(*model_args)
     _, plain = references()
     assert (ref["logprobs"] - plain["logprobs"]).abs().max() > 1e-4  # FP8 emulation is really on

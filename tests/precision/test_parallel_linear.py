@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.precision import high_precision
-from megatron_rl.precision.linear import ModuleQuantizer, fake_quant_linear, fp8_parallel_linear_classes
+from megatron_rl.precision.linear import ModuleQuantizer, fake_quant_linear, fp8_parallel_linear_classes, make_quantizer
 
 H, F, S, B = 256, 512, 8, 2  # TP shards of F are whole 128-blocks, so block scales match a single process
 
@@ -131,6 +131,76 @@ def test_tp2_with_and_without_sequence_parallel_matches_single_process():
     assert dict(results) == {0: "ok", 1: "ok"}
 
 
+def _fp4_shard_reference(cfg: PrecisionConfig, world: int):
+    """Single-process FP4 computation of what a TP group computes: every shard quantized on its own.
+
+    TE's per-tensor FP4 scale belongs to the local tensor (a weight shard, the row-parallel input
+    shard, the column-parallel output-gradient shard), so TP=2 is not the unsharded computation;
+    it is the sum over shards of per-shard fake-quant linears with identical rounding streams.
+    """
+    w1, w2, x, dy = _data()
+    hs, y, gx, gw1, gw2 = [], 0, 0, [], []
+    for r in range(world):
+        fs = slice(r * F // world, (r + 1) * F // world)
+        xr, w1r, w2r = x.clone().requires_grad_(), w1[fs].clone().requires_grad_(), w2[:, fs].clone().requires_grad_()
+        h = fake_quant_linear(xr, w1r, None, make_quantizer(cfg))
+        hd = h.detach().requires_grad_()
+        yr = fake_quant_linear(hd, w2r, None, make_quantizer(cfg))
+        yr.backward(dy)
+        h.backward(hd.grad)
+        hs.append(h.detach())
+        y = y + yr.detach()
+        gx = gx + xr.grad
+        gw1.append(w1r.grad)
+        gw2.append(w2r.grad)
+    return torch.cat(hs, -1), y, gx, torch.cat(gw1, 0), torch.cat(gw2, 1)
+
+
+def _tp_worker_fp4(rank: int, world: int, port: int, results) -> None:
+    _init(rank, world, port, tp=world)
+    try:
+        cfg = PrecisionConfig(recipe="nvfp4", fp4_seed=5)
+        h_ref, y_ref, gx_ref, gw1_ref, gw2_ref = _fp4_shard_reference(cfg, world)
+        w1, w2, x, dy = _data()
+        fs = slice(rank * F // world, (rank + 1) * F // world)
+        ss = slice(rank * S // world, (rank + 1) * S // world)
+
+        def close(got, want):
+            # partial sums over TP ranks change fp32 summation order; FP4 noise is ~1e4 x larger
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+        for sp in (True, False):
+            col, row = _layers(cfg, world, sp)
+            with torch.no_grad():
+                col.weight.copy_(w1[fs])
+                row.weight.copy_(w2[:, fs])
+            xin = (x[ss] if sp else x).clone().requires_grad_()
+            h, _ = col(xin)
+            y, _ = row(h)
+            y.backward(dy[ss] if sp else dy)
+            close(h, h_ref[..., fs])
+            close(y, y_ref[ss] if sp else y_ref)
+            close(xin.grad, gx_ref[ss] if sp else gx_ref)
+            close(col.weight.grad, gw1_ref[fs])
+            close(row.weight.grad, gw2_ref[:, fs])
+            # replicated tensors (row-parallel dY) are rounded alike on every rank: same stream position
+            assert col.fp8_quant.backward_calls == row.fp8_quant.backward_calls == 1
+        results[rank] = "ok"
+    except Exception as e:  # reported by the parent
+        results[rank] = repr(e)
+        raise
+    finally:
+        _teardown()
+
+
+@pytest.mark.slow
+def test_fp4_tp2_with_and_without_sequence_parallel_matches_shard_reference():
+    mp = torch.multiprocessing.get_context("spawn")
+    results = mp.Manager().dict()
+    torch.multiprocessing.start_processes(_tp_worker_fp4, args=(2, _free_port(), results), nprocs=2, start_method="spawn")
+    assert dict(results) == {0: "ok", 1: "ok"}
+
+
 @pytest.fixture
 def single_process():
     _init(0, 1, _free_port(), tp=1)
@@ -138,7 +208,7 @@ def single_process():
     _teardown()
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4", "mxfp4"])
 def test_single_process_layers_equal_fake_quant_and_high_precision_is_plain(single_process, recipe):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -152,7 +222,7 @@ def test_single_process_layers_equal_fake_quant_and_high_precision_is_plain(sing
         col.weight.copy_(w1)
         plain.weight.copy_(w1)
     out, _ = col(x)
-    assert torch.equal(out, fake_quant_linear(x, w1, None, ModuleQuantizer(cfg)))
+    assert torch.equal(out, fake_quant_linear(x, w1, None, make_quantizer(cfg)))
     with high_precision():
         hp, _ = col(x)
     assert torch.equal(hp, plain(x)[0])

@@ -1,0 +1,185 @@
+"""HTTP plumbing of the embedded rollout server (aiohttp): API key, bounded body reading, off-loop JSON.
+
+- `api_key_middleware`: SGLang's `--api-key` rule (python/sglang/srt/utils/auth.py): with a key set,
+  every request needs `Authorization: Bearer <key>` (scheme case-insensitive, constant-time
+  compare) except OPTIONS and paths under /health and /metrics; others get 401 {"error": "Unauthorized"}.
+- `body_middleware`: reads every request body before its handler runs, bounded in size (a 413 naming
+  the limit; a declared Content-Length over the limit is refused before a byte of the body is read)
+  and in time (a body that does not arrive within the read timeout gets a 408 and its connection is
+  closed), so no handler can stall on a half-sent upload and the event loop never buffers more than the
+  limit. aiohttp's own `client_max_size` enforces the size while reading (a per-request clone carries
+  the route's limit).
+- `read_json`: the body as a JSON object, parsed on a worker thread when large.
+
+json.loads holds the interpreter lock for the whole parse (so does every C JSON parser), so a thread
+keeps the event loop free only between parses: the body limit is what bounds the longest stall of
+/health (about 0.5 s for a 16 MB body of token ids on one core).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import secrets
+import threading
+from typing import Awaitable, Callable, Iterable, Iterator, Optional
+
+from aiohttp import web
+
+# Paths SGLang leaves open with --api-key: liveness probes and metrics scrapers carry no secret.
+UNAUTHENTICATED_PREFIXES = ("/health", "/metrics")
+# Bodies at most this large are parsed on the event loop (a thread hop costs more than the parse).
+INLINE_PARSE_MAX_BYTES = 64 * 1024
+MB = 1024 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class BadRequest(ValueError):
+    """A client error answered with HTTP 400 and the message."""
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    """SGLang's JSON error body."""
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+def bearer_matches(authorization: Optional[str], api_key: str) -> bool:
+    """Whether an Authorization header is `Bearer <api_key>` (constant-time, as SGLang compares)."""
+    if not authorization:
+        return False
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    return secrets.compare_digest(token.encode(), api_key.encode())
+
+
+def api_key_middleware(api_key: str):
+    """Require `Authorization: Bearer <api_key>` on every path except OPTIONS, /health* and /metrics*."""
+    if not api_key:
+        raise ValueError("api_key must be a non-empty string")
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "OPTIONS" or request.path.startswith(UNAUTHENTICATED_PREFIXES):
+            return await handler(request)
+        if not bearer_matches(request.headers.get("Authorization"), api_key):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check_api_key
+
+
+def _close_after(response: web.StreamResponse) -> web.StreamResponse:
+    """Close the connection once the response is sent (aiohttp first drains what the client is still
+    sending for a few seconds, so a client that sends its whole body before reading still sees the answer)."""
+    response.force_close()
+    return response
+
+
+async def _send_and_drop(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """Send the response and close the connection at once: a stalled sender gets no lingering drain."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
+
+
+def body_middleware(max_body_bytes: int, read_timeout_s: float,
+                    large_body_paths: Iterable[str] = (), max_large_body_bytes: Optional[int] = None):
+    """Read each request body up front within `max_body_bytes` and `read_timeout_s` (paths in
+    `large_body_paths`, e.g. tensor weight updates, get `max_large_body_bytes`)."""
+    if max_body_bytes < 1:
+        raise ValueError("max_body_bytes must be >= 1")
+    if read_timeout_s <= 0:
+        raise ValueError("read_timeout_s must be > 0")
+    large = frozenset(large_body_paths)
+    large_limit = max(max_large_body_bytes or max_body_bytes, max_body_bytes)
+
+    @web.middleware
+    async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.body_exists:
+            return await handler(request)
+        limit = large_limit if request.path in large else max_body_bytes
+        flag = "--max-weight-body-mb" if request.path in large else "--max-body-mb"
+        too_large = (f"request body exceeds the server's limit of {_fmt_bytes(limit)} ({flag}); "
+                     "send a smaller request or restart the server with a larger limit")
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            return _close_after(error_response(f"{too_large} (Content-Length: {declared})", 413))
+        if request.client_max_size != limit:
+            request = request.clone(client_max_size=limit)
+        try:
+            await asyncio.wait_for(request.read(), read_timeout_s)
+        except web.HTTPRequestEntityTooLarge:
+            return _close_after(error_response(too_large, 413))
+        except asyncio.TimeoutError:
+            return await _send_and_drop(request, error_response(
+                f"request body not received within {read_timeout_s:g} s (--read-timeout-s); closing the connection", 408))
+        return await handler(request)
+
+    return read_body
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / MB:g} MB" if n >= MB else f"{n} bytes"
+
+
+class _GcPause:
+    """Counts the threads decoding JSON; the collector is off while any is (and back on after, if it was on)."""
+
+    lock = threading.Lock()
+    pausers = 0
+    reenable = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while JSON is decoded (nestable across threads).
+
+    Decoding creates no reference cycles, but each container it allocates counts toward the next
+    collection; in a server holding a model (many tracked objects) a body of a million small lists
+    triggered full collections that held the interpreter lock for ~10 s, stalling /health.
+    """
+    with _GcPause.lock:
+        if _GcPause.pausers == 0:
+            _GcPause.reenable = gc.isenabled()
+            gc.disable()
+        _GcPause.pausers += 1
+    try:
+        yield
+    finally:
+        with _GcPause.lock:
+            _GcPause.pausers -= 1
+            if _GcPause.pausers == 0 and _GcPause.reenable:
+                gc.enable()
+
+
+def parse_json_object(raw: bytes, allow_empty: bool = False) -> dict:
+    """The body as a JSON object, with every way it can fail to decode turned into BadRequest."""
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise BadRequest("request body must be a JSON object")
+    try:
+        with gc_paused():
+            body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"invalid JSON body: {exc}") from None
+    except RecursionError:
+        raise BadRequest("invalid JSON body: nested too deeply") from None
+    except ValueError as exc:  # bad UTF-8, integers past Python's digit limit
+        raise BadRequest(f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+async def read_json(request: web.Request, allow_empty: bool = False) -> dict:
+    """The request's JSON object (BadRequest on malformed JSON); large bodies are parsed off the event loop."""
+    raw = await request.read()
+    if len(raw) <= INLINE_PARSE_MAX_BYTES:
+        return parse_json_object(raw, allow_empty)
+    return await asyncio.get_running_loop().run_in_executor(None, parse_json_object, raw, allow_empty)

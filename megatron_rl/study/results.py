@@ -1,0 +1,306 @@
+"""What a study measured: per-run records read from the run directories, per-arm statistics over seeds,
+and RESULTS.md. Pure Python (no torch or matplotlib) except reading the final checkpoint's RL state.
+
+Every metric states how one run's value is formed (mean over which steps) in METRICS, and RESULTS.md
+prints those definitions next to the numbers.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import pickle
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+CALIBRATION_ROW_KEYS = ("calib/solve_lower", "hp/clipfrac_lower_neg")
+"""A metrics row is a calibration (shadow) step when one of these is a finite number."""
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One reported metric: its label, the metrics.jsonl key (or eval_before/eval_after) and how a run's value is formed."""
+
+    label: str
+    key: str
+    reduce: str
+    """mean (finite values over all steps), tail (last tail_fraction of steps), max, calib (calibration steps), eval."""
+    definition: str
+
+
+METRICS = (
+    MetricDef("clipfrac_lower_neg", "clipfrac_lower_neg", "mean",
+              "fraction of negative-advantage tokens whose ratio is below the lower bound L (the paper's quantity); mean over all steps"),
+    MetricDef("clipfrac_lower_neg, high precision (shadow)", "hp/clipfrac_lower_neg", "mean",
+              "the same fraction under the high-precision shadow ratios; mean over the steps that ran the shadow pass"),
+    MetricDef("clipfrac_upper_pos", "clipfrac_upper_pos", "mean",
+              "fraction of positive-advantage tokens whose ratio is above the upper bound H; mean over all steps"),
+    MetricDef("entropy (last)", "entropy", "tail", "mean token entropy of the policy; mean over the last tail_fraction of steps"),
+    MetricDef("entropy (max)", "entropy", "max", "largest per-step mean token entropy (an entropy surge shows here)"),
+    MetricDef("reward (last)", "reward/mean", "tail", "mean rollout reward; mean over the last tail_fraction of steps"),
+    MetricDef("reward (mean)", "reward/mean", "mean", "mean rollout reward; mean over all steps"),
+    MetricDef("held-out accuracy before RL", "eval_before", "eval", "greedy accuracy on the held-out prompts before the first RL step"),
+    MetricDef("held-out accuracy after RL", "eval_after", "eval", "greedy accuracy on the held-out prompts after the last RL step"),
+    MetricDef("L (lower bound)", "calib/lower", "mean", "lower clip bound in force (1 - eps_low unless calibrated); mean over all steps"),
+    MetricDef("H (upper bound)", "calib/upper", "mean", "upper clip bound in force (1 + eps_high unless calibrated); mean over all steps"),
+    MetricDef("alpha target", "calib/alpha_target", "calib",
+              "high-precision fraction of negative tokens below 1 - eps_low (the calibration target); mean over calibration steps"),
+    MetricDef("alpha achieved", "calib/alpha_achieved", "calib",
+              "fraction of negative tokens' low-precision ratios below the solved L; mean over calibration steps"),
+    MetricDef("log-ratio error (shadow)", "fp8/log_ratio_abs_err", "mean",
+              "mean per-token |low-precision minus high-precision log-ratio|; mean over the steps that ran the shadow pass"),
+)
+"""The RESULTS.md table, in order."""
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def run_value(rows: Sequence[dict], metric: MetricDef, tail_fraction: float, evals: dict[str, float]) -> float:
+    """One run's value of `metric` (nan when the run has no finite value for it)."""
+    if metric.reduce == "eval":
+        v = evals.get(metric.key, math.nan)
+        return float(v) if _finite(v) else math.nan
+    if metric.reduce == "tail":
+        rows = rows[len(rows) - max(1, math.ceil(len(rows) * tail_fraction)):] if rows else rows
+    elif metric.reduce == "calib":
+        calib = [r for r in rows if any(_finite(r.get(k)) for k in CALIBRATION_ROW_KEYS)]
+        rows = calib if calib else rows
+    vals = [float(r[metric.key]) for r in rows if _finite(r.get(metric.key))]
+    if not vals:
+        return math.nan
+    return max(vals) if metric.reduce == "max" else sum(vals) / len(vals)
+
+
+@dataclass
+class SeedStats:
+    """Statistics of one metric of one arm over its seeds (finite values only)."""
+
+    values: list[float]
+    """Per-seed values (nan where a seed had none)."""
+
+    @property
+    def finite(self) -> list[float]:
+        """The finite per-seed values."""
+        return [v for v in self.values if math.isfinite(v)]
+
+    @property
+    def mean(self) -> float:
+        """Mean over seeds (nan if none)."""
+        f = self.finite
+        return sum(f) / len(f) if f else math.nan
+
+    @property
+    def std(self) -> float:
+        """Sample standard deviation over seeds (0 for one seed, nan for none)."""
+        f = self.finite
+        return statistics.stdev(f) if len(f) > 1 else (0.0 if f else math.nan)
+
+    def cell(self) -> str:
+        """'mean ± std [min, max]' (n/a without values)."""
+        f = self.finite
+        if not f:
+            return "n/a"
+        return f"{_fmt(self.mean)} ± {_fmt(self.std)} [{_fmt(min(f))}, {_fmt(max(f))}]"
+
+
+def _fmt(v: float) -> str:
+    return "n/a" if not math.isfinite(v) else f"{v:.4g}"
+
+
+@dataclass
+class RunRecord:
+    """What one arm-seed run left in its directory."""
+
+    arm: str
+    seed: int
+    run_dir: Path
+    status: str
+    """done (final checkpoint with the after-RL evaluation), partial, failed, or missing."""
+    rows: list[dict] = field(default_factory=list)
+    """metrics.jsonl rows."""
+    evals: dict[str, float] = field(default_factory=dict)
+    """eval_before / eval_after from the final checkpoint's RL state."""
+    wall_s: float = 0.0
+    """Wall time of the runner's invocations of this run (all attempts)."""
+    config: Optional[dict] = None
+    """The run's resolved config.yaml."""
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl rows, dropping a torn last line (a run killed mid-write leaves one)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    rows = []
+    for k, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k != len(lines) - 1:
+                raise ValueError(f"{path}:{k + 1}: invalid JSON in the middle of the file") from None
+    return rows
+
+
+def final_rl_state(run_dir: Path, steps: int) -> Optional[dict]:
+    """RL state of the run's final checkpoint (step steps-1, holding eval_after), or None when the run is not finished."""
+    from megatron_rl.trainer.checkpoint import RL_STATE_FILE, latest_checkpoint
+
+    path = latest_checkpoint(run_dir / "checkpoints")
+    if path is None:
+        return None
+    state = pickle.loads((Path(path) / RL_STATE_FILE).read_bytes())
+    if int(state.get("step", -1)) != steps - 1 or "eval_after" not in state:
+        return None
+    return state
+
+
+def resume_step(run_dir: Path) -> int:
+    """First step a (re)started run will execute: one past its newest checkpoint, 0 without one."""
+    from megatron_rl.trainer.checkpoint import RL_STATE_FILE, latest_checkpoint
+
+    path = latest_checkpoint(run_dir / "checkpoints")
+    if path is None:
+        return 0
+    return int(pickle.loads((Path(path) / RL_STATE_FILE).read_bytes())["step"]) + 1
+
+
+ATTEMPTS_FILE = "study_attempts.jsonl"
+"""Per run directory: one JSON line per runner invocation (start, wall time, return code, resumed-from step)."""
+
+
+def collect(study, steps: int) -> list[RunRecord]:
+    """Records of every arm-seed run of a study, in run order."""
+    records = []
+    for arm, seed in study.runs():
+        run_dir = study.run_dir(arm, seed)
+        attempts = [json.loads(ln) for ln in (run_dir / ATTEMPTS_FILE).read_text().splitlines() if ln.strip()] \
+            if (run_dir / ATTEMPTS_FILE).exists() else []
+        state = final_rl_state(run_dir, steps) if run_dir.exists() else None
+        if state is not None:
+            status = "done"
+        elif attempts and attempts[-1].get("returncode", 0) != 0:
+            status = "failed"
+        elif run_dir.exists() and (run_dir / "metrics.jsonl").exists():
+            status = "partial"
+        else:
+            status = "missing"
+        cfg_path = run_dir / "config.yaml"
+        records.append(RunRecord(
+            arm=arm, seed=seed, run_dir=run_dir, status=status, rows=read_rows(run_dir),
+            evals={k: float(state[k]) for k in ("eval_before", "eval_after") if state and _finite(state.get(k))},
+            wall_s=sum(float(a.get("wall_s", 0.0)) for a in attempts),
+            config=yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else None,
+        ))
+    return records
+
+
+def arm_stats(records: Sequence[RunRecord], arms: Sequence[str], tail_fraction: float) -> dict[str, dict[str, SeedStats]]:
+    """{arm: {metric label: SeedStats over the arm's finished seeds}}."""
+    out: dict[str, dict[str, SeedStats]] = {}
+    for arm in arms:
+        runs = [r for r in records if r.arm == arm and r.status == "done"]
+        out[arm] = {m.label: SeedStats([run_value(r.rows, m, tail_fraction, r.evals) for r in runs]) for m in METRICS}
+    return out
+
+
+def _relative(metric: MetricDef, arm: SeedStats, ref: SeedStats) -> str:
+    """Ratio of means for clip fractions and log-ratio errors (scale-free), difference of means otherwise."""
+    a, b = arm.mean, ref.mean
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return "n/a"
+    if metric.key.startswith(("clipfrac", "hp/clipfrac", "fp8/")):
+        return f"{a / b:.3g}x" if b != 0 else "n/a (reference 0)"
+    return f"{a - b:+.4g}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], notes: Sequence[str]) -> Path:
+    """Write <output_dir>/RESULTS.md: arms, per-arm statistics over seeds, comparison to the reference arm, runs, definitions, figures."""
+    spec = study.spec
+    arms = [a.name for a in spec.arms]
+    stats = arm_stats(records, arms, spec.tail_fraction)
+    tail_pct = f"{100 * spec.tail_fraction:g}%"
+    done = sum(r.status == "done" for r in records)
+    lines = [
+        f"# Study results: {study.spec_path.name}",
+        "",
+        f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} by `megatron-rl study {study.spec_path}`.",
+        f"Base config `{study.base}`, {spec.steps} RL steps per run, seeds {spec.seeds} "
+        f"(each sets {', '.join(f'`{f}`' for f in spec.seed_fields)}); {done} of {len(records)} runs finished.",
+        f"Every run starts from the same warm start (`{study.warm_dir}`): one SFT and one data set for all arms and seeds.",
+        "",
+        "## Arms",
+        "",
+        *_table(["arm", "overrides (over the base config and the shared overrides)"],
+                [[a.name, ", ".join(f"`{k}={json.dumps(v)}`" for k, v in a.overrides.items()) or "(none)"] for a in spec.arms]),
+        "",
+        f"Shared overrides: {', '.join(f'`{k}={json.dumps(v)}`' for k, v in spec.overrides.items()) or '(none)'}.",
+        "",
+        "## Results: mean ± std [min, max] over finished seeds",
+        "",
+        *_table(["metric", *arms],
+                [[m.label.replace("(last)", f"(last {tail_pct})"), *(stats[a][m.label].cell() for a in arms)] for m in METRICS]),
+        "",
+    ]
+    others = [a for a in arms if a != spec.reference]
+    if others:
+        ref = stats[spec.reference]
+        lines += [
+            f"## Relative to `{spec.reference}`",
+            "",
+            "Clip fractions and log-ratio errors: ratio of seed means; everything else: difference of seed means.",
+            "",
+            *_table(["metric", *others],
+                    [[m.label.replace("(last)", f"(last {tail_pct})"), *(_relative(m, stats[a][m.label], ref[m.label]) for a in others)]
+                     for m in METRICS]),
+            "",
+        ]
+    lines += [
+        "## Runs",
+        "",
+        *_table(["arm", "seed", "status", "steps logged", "held-out accuracy before -> after", "wall time (s)", "directory"],
+                [[r.arm, r.seed, r.status, len(r.rows),
+                  f"{_pct(r.evals.get('eval_before'))} -> {_pct(r.evals.get('eval_after'))}", f"{r.wall_s:.0f}", f"`{r.run_dir}`"]
+                 for r in records]),
+        "",
+        f"Total wall time of the runs: {sum(r.wall_s for r in records):.0f} s.",
+        "",
+        "## Metric definitions",
+        "",
+        f"One value per run, then mean / sample std / min / max over the arm's finished seeds (tail_fraction = {spec.tail_fraction:g}).",
+        "",
+        *(f"- **{m.label}** (`{m.key}`): {m.definition}." for m in METRICS),
+        "",
+    ]
+    if figures:
+        lines += ["## Figures", ""]
+        for title, name in figures.items():
+            lines += [f"### {title}", "", f"![{title}]({name})", ""]
+    if notes:
+        lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
+    lines += [
+        "## Reproduce",
+        "",
+        f"    megatron-rl study {study.spec_path}                 # runs what is missing (resumes killed runs), then rewrites this file",
+        f"    megatron-rl study {study.spec_path} --report-only   # this file and the figures from the runs on disk",
+        "",
+    ]
+    out = study.out / "RESULTS.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    return out
+
+
+def _pct(v: Optional[float]) -> str:
+    return f"{100 * v:.1f}%" if v is not None and math.isfinite(v) else "n/a"

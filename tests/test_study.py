@@ -1,0 +1,203 @@
+"""`megatron-rl study`: spec validation, per-run metric definitions, statistics over seeds, the token-dump
+reader and the report (RESULTS.md + PNGs) on synthetic run directories, and one end-to-end smoke study."""
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from megatron_rl.study import StudyError, load_study
+from megatron_rl.study import plots, results
+from megatron_rl.study.runner import check_existing_runs, write_report
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = REPO / "examples" / "configs" / "tiny_grpo.yaml"
+
+
+def _spec(tmp_path: Path, **fields) -> Path:
+    spec = {"base": str(BASE), "output_dir": str(tmp_path / "study"), "steps": 10, "seeds": [1, 2],
+            "arms": [{"name": "hp", "overrides": {}}, {"name": "fp8", "overrides": {"precision.recipe": "blockwise"}}]}
+    spec.update(fields)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_example_spec_loads_and_every_run_config_validates():
+    study = load_study(REPO / "examples" / "studies" / "tiny_precision.yaml")
+    assert study.base == (REPO / "examples" / "configs" / "tiny_grpo.yaml").resolve()
+    runs = study.runs()
+    assert len(runs) == len(study.spec.arms) * len(study.spec.seeds)
+    warm = study.warm_overrides()
+    assert warm == [f'data.train_file="{study.warm_dir}/data/train.jsonl"', f'data.tokenizer_dir="{study.warm_dir}/data/tokenizer"',
+                    f'data.eval_file="{study.warm_dir}/data/eval.jsonl"', f'model.init_checkpoint="{study.warm_dir}/sft/hf"']
+    for arm, seed in runs:
+        cfg = study.run_config(arm, seed, warm)
+        assert cfg.train.steps == study.spec.steps and cfg.train.seed == seed == cfg.precision.fp4_seed
+        assert cfg.run_dir == str(study.run_dir(arm, seed)) and cfg.model.init_checkpoint == f"{study.warm_dir}/sft/hf"
+        assert cfg.checkpoint.save_every == study.spec.checkpoint_every and cfg.checkpoint.resume
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"arms": [{"name": "a", "overrides": {"data.task": "x"}}]}, r"arms\[0\] \(a\).*data.task.*warm start"),
+    ({"arms": [{"name": "a"}, {"name": "a"}]}, "distinct"),
+    ({"arms": [{"name": "a b"}]}, "arm name"),
+    ({"arms": []}, "arms"),
+    ({"reference_arm": "nope"}, "reference_arm"),
+    ({"overrides": {"train.seed": 3}}, "set by the study runner"),
+    ({"arms": [{"name": "a", "overrides": {"train.steps": 3}}]}, "set by the study runner"),
+    ({"seeds": [1, 1]}, "distinct"),
+    ({"stesp": 3}, "stesp: unknown key"),
+])
+def test_spec_errors_name_the_field(tmp_path, fields, match):
+    with pytest.raises(StudyError, match=match):
+        load_study(_spec(tmp_path, **fields))
+
+
+def test_bad_arm_value_fails_at_load_naming_arm_seed_and_key(tmp_path):
+    with pytest.raises(StudyError, match=r"(?s)arm 'x' seed 1.*precision.recipe"):
+        load_study(_spec(tmp_path, arms=[{"name": "x", "overrides": {"precision.recipe": "fp3"}}]))
+    with pytest.raises(StudyError, match=r"(?s)warm start.*sft.steps"):
+        load_study(_spec(tmp_path, overrides={"sft.steps": "many"}))
+    with pytest.raises(StudyError, match="base config not found"):
+        load_study(_spec(tmp_path, base="missing.yaml"))
+
+
+def test_run_values_follow_their_definitions():
+    rows = [{"step": s, "entropy": e, "clipfrac_lower_neg": c} for s, (e, c) in
+            enumerate(zip([1.0, 2.0, 5.0, 3.0, 4.0], [0.1, None, 0.3, 0.2, 0.4]))]
+    rows[1]["hp/clipfrac_lower_neg"] = 0.05
+    rows[3]["hp/clipfrac_lower_neg"] = 0.15
+    for r in rows:
+        r["calib/alpha_target"] = 0.5 if r["step"] in (1, 3) else 9.0  # held value between calibrations
+    by = {m.label: m for m in results.METRICS}
+    v = lambda label, tail=0.4: results.run_value(rows, by[label], tail, {"eval_after": 0.25})  # noqa: E731
+    assert v("clipfrac_lower_neg") == pytest.approx((0.1 + 0.3 + 0.2 + 0.4) / 4)       # finite steps only
+    assert v("entropy (last)") == pytest.approx((3.0 + 4.0) / 2)                         # last 40% = 2 steps
+    assert v("entropy (max)") == 5.0
+    assert v("clipfrac_lower_neg, high precision (shadow)") == pytest.approx(0.1)        # sparse: its own steps
+    assert v("alpha target") == 0.5                                                      # calibration steps only
+    assert v("held-out accuracy after RL") == 0.25 and math.isnan(v("held-out accuracy before RL"))
+    assert math.isnan(v("reward (mean)"))
+    s = results.SeedStats([0.1, 0.3, math.nan])
+    assert s.mean == pytest.approx(0.2) and s.std == pytest.approx(statistics.stdev([0.1, 0.3]))
+    assert s.cell() == "0.2 ± 0.1414 [0.1, 0.3]" and results.SeedStats([math.nan]).cell() == "n/a"
+
+
+def _fake_run(study, arm: str, seed: int, k: float, dumps: bool) -> None:
+    """A finished 10-step run: metrics rising with k, shadow metrics every 5 steps, final checkpoint, config."""
+    d = study.run_dir(arm, seed)
+    (d / "checkpoints" / "step_00000009").mkdir(parents=True)
+    (d / "checkpoints" / "step_00000009" / "rl_state.pkl").write_bytes(
+        pickle.dumps({"step": 9, "eval_before": 0.2, "eval_after": 0.2 + k}))
+    (d / "checkpoints" / "step_00000009" / "COMPLETE").write_text("9\n")
+    rows = []
+    for s in range(10):
+        row = {"step": s, "clipfrac_lower_neg": k * 0.01, "clipfrac_upper_pos": 0.02, "entropy": 1.0 + k + 0.01 * s,
+               "reward/mean": 0.5, "calib/lower": 0.8, "calib/upper": 1.2}
+        if s % 5 == 0:
+            row.update({"hp/clipfrac_lower_neg": 0.005, "calib/solve_lower": 0.7, "fp8/log_ratio_abs_err": 0.01 * k})
+        rows.append(row)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "config.yaml").write_text(yaml.safe_dump({"algo": {"policy_loss": {"eps_low": 0.2, "eps_high": 0.28}}}))
+    (d / results.ATTEMPTS_FILE).write_text(json.dumps({"wall_s": 12.0, "returncode": 0}) + "\n")
+    if dumps:
+        g = np.random.default_rng(seed)
+        (d / "calibration").mkdir()
+        for step in (0, 5):
+            for rank in (0, 1):
+                n = 50
+                hp = np.exp(g.normal(0, 0.05, n))
+                np.savez(d / "calibration" / f"step_{step:06d}.rank{rank}.npz", ratio=hp * np.exp(g.normal(0, 0.02 * k, n)),
+                         ratio_hp=hp, adv=g.choice([-1.0, 1.0], n), minibatch=np.full(n, 1, dtype=np.int64))
+
+
+def test_report_on_synthetic_runs(tmp_path):
+    study = load_study(_spec(tmp_path, reference_arm="hp"))
+    for seed, k in ((1, 1.0), (2, 3.0)):
+        _fake_run(study, "fp8", seed, k, dumps=True)
+    _fake_run(study, "hp", 1, 0.5, dumps=False)      # hp seed 2 never ran
+    out = write_report(study)
+    text = out.read_text()
+    assert "3 of 4 runs finished" in text
+    row = next(line for line in text.splitlines() if line.startswith("| clipfrac_lower_neg |"))  # the results table
+    assert row == f"| clipfrac_lower_neg | 0.005 ± 0 [0.005, 0.005] | {results.SeedStats([0.01, 0.03]).cell()} |"
+    assert "| clipfrac_lower_neg | 4x |" in text                                         # (0.01+0.03)/2 / 0.005
+    assert "held-out accuracy after RL" in text and "20.0% -> 220.0%" not in text
+    assert "arm `hp`: no calibration token dumps" in text and "arm `fp8`: no" not in text
+    assert "`hp` seed 2: missing" in text
+    for png in ("curves.png", "bounds.png", "ratio_hist.png"):
+        assert (study.out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in text
+    dump = plots.read_ratio_dumps(study.run_dir("fp8", 2))
+    assert dump["ratio"].shape == (200,) and sorted(set(dump["step"].tolist())) == [0, 5]
+    neg, pos = plots.log_ratio_error(dump)
+    assert neg.size + pos.size == 200 and 0.02 < np.concatenate([neg, pos]).std() < 0.1
+    assert plots.read_ratio_dumps(study.run_dir("hp", 1)) is None
+
+
+def test_dump_reader_rejects_incomplete_files(tmp_path):
+    (tmp_path / "calibration").mkdir()
+    np.savez(tmp_path / "calibration" / "step_000001.rank0.npz", ratio=np.ones(3), adv=np.ones(3))
+    with pytest.raises(ValueError, match="ratio_hp"):
+        plots.read_ratio_dumps(tmp_path)
+
+
+def test_changed_spec_never_mixes_with_existing_runs(tmp_path):
+    study = load_study(_spec(tmp_path))
+    cfg = study.run_config("fp8", 1, [])
+    d = study.run_dir("fp8", 1)
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    check_existing_runs(study, [])  # same config: fine
+    changed = load_study(_spec(tmp_path, arms=[{"name": "hp"}, {"name": "fp8", "overrides": {"precision.recipe": "tensorwise"}}]))
+    with pytest.raises(StudyError, match="precision.recipe: 'blockwise' -> 'tensorwise'"):
+        check_existing_runs(changed, [])
+
+
+@pytest.mark.slow
+def test_smoke_study_runs_resumes_and_skips(tmp_path):
+    """2 arms x 1 seed x 2 steps from one SFT (both FP4 recipes end to end); a run killed after step 0 resumes;
+    finished runs are skipped."""
+    spec = _spec(tmp_path, steps=2, seeds=[1], checkpoint_every=1,
+                 overrides={"sft.steps": 200, "data.num_train_prompts": 200, "data.num_eval_prompts": 8,
+                            "train.eval_max_prompts": 8, "train.prompts_per_step": 4, "rollout.n_samples_per_prompt": 4,
+                            "train.micro_batch_size": 4},
+                 arms=[{"name": "mxfp4", "overrides": {"precision.recipe": "mxfp4"}},
+                       {"name": "nvfp4_calib", "overrides": {
+                           "precision.recipe": "nvfp4", "algo.calibration.enabled": True, "algo.calibration.calibrate_every": 1}}])
+    cmd = [sys.executable, str(REPO / "tools" / "experiment.py"), str(spec)]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    study = load_study(spec)
+    text = (study.out / "RESULTS.md").read_text()
+    assert "2 of 2 runs finished" in text and "| mxfp4 | nvfp4_calib |" in text
+    assert (study.out / "curves.png").exists()
+    rows = {arm: results.read_rows(study.run_dir(arm, 1)) for arm in ("mxfp4", "nvfp4_calib")}
+    assert all(len(r) == 2 for r in rows.values())
+    assert any(math.isfinite(r.get("fp8/log_ratio_abs_err") or math.nan) for r in rows["nvfp4_calib"])
+
+    # "kill" the FP4 run after step 0: drop its final checkpoint, keep the step-0 one
+    run = study.run_dir("nvfp4_calib", 1)
+    final = run / "checkpoints" / "step_00000001"
+    assert (run / "checkpoints" / "step_00000000" / "COMPLETE").exists()
+    import shutil
+
+    shutil.rmtree(final)
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "mxfp4 seed 1: finished, skipped" in second.stdout
+    assert "nvfp4_calib seed 1: resuming at step 1" in second.stdout
+    assert "warm start: reusing" in second.stdout
+    assert (study.warm_dir / "sft.log").read_text().count("\n=== ") == 1      # one SFT for the whole study
+    assert len(results.read_rows(run)) == 2 and final.exists()
+    attempts = [json.loads(x) for x in (run / results.ATTEMPTS_FILE).read_text().splitlines()]
+    assert [a["resumed_from_step"] for a in attempts] == [0, 1]
