@@ -6,7 +6,8 @@
 
 Definitions used (N = {A < 0}, P = {A > 0}; A = 0 tokens belong to neither):
 - alpha = |{t in N : r_hp < 1 - eps_low}| / |N|;
-- rho = C+_hp(1 + eps_high) / C-_hp(1 - eps_low), C+(H) = sum_{P, r <= H} A r, C-(L) = sum_{N, r >= L} |A| r;
+- rho = C+_hp(1 + eps_high) / C-_hp(1 - eps_low), C+(H) = sum_{P, r <= H} A r, C-(L) = sum_{N, r >= L} |A| r,
+  summed exactly (rational arithmetic), so "C+(H) / C-(L) >= rho" is decided without rounding;
 - L_raw = the k-th smallest FP8 negative ratio, k = floor(alpha |N|) + 1 = n_below + 1 (counted exactly: the
   FP8 and high-precision ratios describe the same tokens, so |N| is the same count); when k > |N| no
   ratio qualifies and L_raw lies just above the largest (the project's documented convention: * (1 + 1e-6));
@@ -18,6 +19,7 @@ Definitions used (N = {A < 0}, P = {A > 0}; A = 0 tokens belong to neither):
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -38,6 +40,11 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
+def _exact_sum(a: np.ndarray, r: np.ndarray) -> Fraction:
+    """sum(a * r) in exact rational arithmetic over the float64 values."""
+    return sum((Fraction(float(x)) * Fraction(float(y)) for x, y in zip(a, r)), Fraction(0))
+
+
 def spec_solve(ratio: np.ndarray, ratio_hp: np.ndarray, adv: np.ndarray, *, eps_low: float, eps_high: float,
                lower_min: float = 0.05, lower_max: float = 1.0, upper_min: float = 1.0, upper_max: float = 10.0,
                relax_only: bool = True, previous: Optional[tuple[float, float]] = None) -> SpecSolution:
@@ -49,9 +56,14 @@ def spec_solve(ratio: np.ndarray, ratio_hp: np.ndarray, adv: np.ndarray, *, eps_
     n_neg = int(neg.sum())
     n_below = int((ratio_hp[neg] < lo_ref).sum())
     alpha = n_below / n_neg if n_neg else 0.0
-    c_plus_hp = float(np.sum(adv[pos & (ratio_hp <= hi_ref)] * ratio_hp[pos & (ratio_hp <= hi_ref)]))
-    c_minus_hp = float(np.sum(-adv[neg & (ratio_hp >= lo_ref)] * ratio_hp[neg & (ratio_hp >= lo_ref)]))
-    rho = c_plus_hp / c_minus_hp if c_minus_hp > 0 else (math.inf if c_plus_hp > 0 else 0.0)
+    # masses are summed exactly (Fractions of the float64 values): "C+ >= rho C-" is decided without rounding,
+    # so a tie (the same data in both passes) is a tie whatever the summation order
+    c_plus_hp = _exact_sum(adv[pos & (ratio_hp <= hi_ref)], ratio_hp[pos & (ratio_hp <= hi_ref)])
+    c_minus_hp = _exact_sum(-adv[neg & (ratio_hp >= lo_ref)], ratio_hp[neg & (ratio_hp >= lo_ref)])
+    if c_minus_hp > 0:
+        rho = float(c_plus_hp / c_minus_hp)
+    else:
+        rho = math.inf if c_plus_hp > 0 else 0.0
 
     negs = np.sort(ratio[neg])
     if n_neg == 0:
@@ -65,17 +77,26 @@ def spec_solve(ratio: np.ndarray, ratio_hp: np.ndarray, adv: np.ndarray, *, eps_
         lower = min(lower, lo_ref)
     lower = _f32(lower)
 
-    c_minus = float(np.sum(-adv[neg & (ratio >= lower)] * ratio[neg & (ratio >= lower)]))
+    c_minus = _exact_sum(-adv[neg & (ratio >= lower)], ratio[neg & (ratio >= lower)])
     upper_raw = math.nan
     if pos.any() and c_minus > 0:
-        goal = rho * c_minus
-        cands = [1.0] + sorted(float(x) for x in ratio[pos] if x > 1.0)
-        for h in cands:
-            if float(np.sum(adv[pos & (ratio <= h)] * ratio[pos & (ratio <= h)])) >= goal:
+        # smallest H in {1} u {positive ratios > 1} with C+(H) / C-(L) >= rho, i.e. C+(H) C-_hp >= C+_hp C-(L)
+        order = np.argsort(ratio[pos], kind="stable")
+        pr, pa = ratio[pos][order], adv[pos][order]
+        cum, i = Fraction(0), 0
+        for h in [1.0] + sorted({float(x) for x in pr if x > 1.0}):
+            while i < len(pr) and pr[i] <= h:
+                cum += Fraction(float(pa[i])) * Fraction(float(pr[i]))
+                i += 1
+            if c_minus_hp > 0:
+                reached = cum * c_minus_hp >= c_plus_hp * c_minus
+            else:
+                reached = c_plus_hp == 0  # rho = 0 is reached at once, rho = inf never
+            if reached:
                 upper_raw = h
                 break
         else:
-            upper_raw = max(1.0, float(ratio[pos].max()))
+            upper_raw = max(1.0, float(pr.max()))
     upper = prev_hi if math.isnan(upper_raw) else upper_raw
     upper = min(max(upper, upper_min), upper_max)
     if relax_only:
