@@ -44,8 +44,11 @@ def cmd_sft(args) -> int:
     from megatron_rl.runtime import load_datasets
     from megatron_rl.warm_start import ensure_warm_start
 
+    from megatron_rl.config.run import check_config_for_world
+
     cfg = _load(args)
     state.init_distributed(cfg.parallel, cfg.train.seed)
+    check_config_for_world(cfg, state.dp_size())
     run_dir = Path(cfg.run_dir)
     tokenizer, train_rows, _ = load_datasets(cfg, run_dir)
     print(ensure_warm_start(cfg, run_dir, tokenizer, train_rows))
@@ -78,12 +81,15 @@ def cmd_config(args) -> int:
 def _print_fields(model, prefix: str) -> None:
     from pydantic import BaseModel
 
+    from megatron_rl.config.base import describe_range
+
     for name, field in model.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             _print_fields(ann, f"{prefix}{name}.")
         else:
-            print(f"{prefix}{name} = {field.default!r}  # {field.description or ''}")
+            valid = describe_range(field)
+            print(f"{prefix}{name} = {field.default!r}  # {field.description or ''}" + (f" [valid: {valid}]" if valid else ""))
 
 
 def cmd_engines(args) -> int:
@@ -122,12 +128,55 @@ def cmd_study(args) -> int:
 
 
 def _quiet_known_upstream_warnings() -> None:
-    """Silence megatron-core's import-time notices about TE/Apex fallbacks (expected on CPU, noise in the job's output)."""
+    """Silence known notices from dependencies that the job cannot act on (noise in its output)."""
     import warnings
 
+    # megatron-core's import-time notices about TE/Apex fallbacks and its gloo/CPU paths (expected on CPU)
     for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                    "Warning: tp_group is None", "full scope is deprecated", "`torch.distributed.(reduce_scatter|all_gather_into)"):
+                    "Warning: tp_group is None", "`torch.distributed.(reduce_scatter|all_gather_into)"):
         warnings.filterwarnings("ignore", message=pattern)
+    # Loading a torch_dist checkpoint (resume): megatron-core 0.16.1's TorchDistLoadShardedStrategy calls torch's
+    # deprecated checkpoint.load_state_dict with torch ShardedTensors, whose use torch's planner flags as deprecated.
+    warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning,
+                            module=r"megatron\.core\.dist_checkpointing")
+    warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
+                            category=FutureWarning)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `megatron-rl` argument parser (every subcommand and argument carries a help line)."""
+    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to run")
+    for name, fn in (("train", cmd_train), ("sft", cmd_sft), ("data", cmd_data)):
+        p = sub.add_parser(name, help=fn.__doc__, description=fn.__doc__)
+        _add_config_args(p)
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("config", help=cmd_config.__doc__, description=cmd_config.__doc__)
+    _add_config_args(p)
+    p.add_argument("--fields", action="store_true", help="list every config field with its documentation")
+    p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("engines", help=cmd_engines.__doc__, description=cmd_engines.__doc__)
+    _add_config_args(p)
+    p.add_argument("--model-path", default=None, help="HF model directory the engines start from (default: model.init_checkpoint)")
+    p.add_argument("--urls-file", default=None, help="also write the URLs as JSON {generate: [...], workers: [...]} here")
+    p.set_defaults(fn=cmd_engines)
+    p = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__)
+    p.add_argument("kind", choices=["hf-to-fp8", "hf-to-megatron"],
+                   help="hf-to-fp8: blockwise FP8 HF checkpoint for SGLang/vLLM; "
+                        "hf-to-megatron: reshardable torch_dist checkpoint for model.init_checkpoint")
+    p.add_argument("src", help="source HF model directory (config.json + *.safetensors)")
+    p.add_argument("dst", help="output directory (created)")
+    p.add_argument("--scale-fmt", default="fp32", choices=["fp32", "ue8m0"],
+                   help="hf-to-fp8: format of the per-block scales (ue8m0: power-of-two scales, as in DeepSeek-V3.1 releases)")
+    p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the model and parallel layout")
+    p.add_argument("overrides", nargs="*", help="hf-to-megatron: dotted.key=value overrides of --config")
+    p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("study", help=cmd_study.__doc__, description=cmd_study.__doc__)
+    p.add_argument("spec", help="study spec YAML (see examples/studies/)")
+    p.add_argument("--report-only", action="store_true", help="only rewrite RESULTS.md and the plots from the runs on disk")
+    p.set_defaults(fn=cmd_study)
+    sub.add_parser("serve", help="Embedded SGLang-protocol rollout server (`megatron-rl serve --help` lists its flags).")
+    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -138,37 +187,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_rl.rollout.server import main as serve_main
 
         return serve_main(argv[1:]) or 0
-    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn in (("train", cmd_train), ("sft", cmd_sft), ("data", cmd_data)):
-        p = sub.add_parser(name, help=fn.__doc__)
-        _add_config_args(p)
-        p.set_defaults(fn=fn)
-    p = sub.add_parser("config", help=cmd_config.__doc__)
-    _add_config_args(p)
-    p.add_argument("--fields", action="store_true", help="list every config field with its documentation")
-    p.set_defaults(fn=cmd_config)
-    p = sub.add_parser("engines", help=cmd_engines.__doc__)
-    _add_config_args(p)
-    p.add_argument("--model-path", default=None, help="HF model directory the engines start from (default: model.init_checkpoint)")
-    p.add_argument("--urls-file", default=None, help="also write the URLs as JSON {generate: [...], workers: [...]} here")
-    p.set_defaults(fn=cmd_engines)
-    p = sub.add_parser("convert", help=cmd_convert.__doc__)
-    p.add_argument("kind", choices=["hf-to-fp8", "hf-to-megatron"])
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--scale-fmt", default="fp32", choices=["fp32", "ue8m0"], help="hf-to-fp8: scale format")
-    p.add_argument("--config", default=None, help="hf-to-megatron: run config giving the model and parallel layout")
-    p.add_argument("overrides", nargs="*", help="hf-to-megatron: dotted.key=value overrides of --config")
-    p.set_defaults(fn=cmd_convert)
-    p = sub.add_parser("study", help=cmd_study.__doc__)
-    p.add_argument("spec", help="study spec YAML (see examples/studies/)")
-    p.add_argument("--report-only", action="store_true", help="only rewrite RESULTS.md and the plots from the runs on disk")
-    p.set_defaults(fn=cmd_study)
-    sub.add_parser("serve", help="embedded SGLang-protocol rollout server (see --help after 'serve')")
+    parser = build_parser()
     args = parser.parse_args(argv)
     from megatron_rl.config import ConfigError
     from megatron_rl.data.jsonl import DataFormatError
+    from megatron_rl.phases.health import TrainingHealthError
+    from megatron_rl.phases.reward import DynamicSamplingError
     from megatron_rl.rollout.client import RolloutServerError
     from megatron_rl.rollout.launcher import LaunchError
     from megatron_rl.study.spec import StudyError
@@ -178,6 +202,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, DataFormatError, RolloutServerError, LaunchError, StudyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (TrainingHealthError, DynamicSamplingError) as exc:  # the run stopped itself (exit 3)
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

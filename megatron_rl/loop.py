@@ -7,7 +7,6 @@ rollout engines over HTTP, scores rewards and broadcasts the step's batch. Run i
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -16,25 +15,12 @@ from megatron_rl.algo.metrics import add_sums, finalize_metrics
 from megatron_rl.config import RunConfig
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import broadcast_from_controller, reduce_loss_sums
-from megatron_rl.phases import batching, logprobs, reward, rollout, weights
+from megatron_rl.phases import batching, health, logprobs, reward, rollout, weights
 from megatron_rl.phases.calibrate import StepCalibration
 from megatron_rl.phases.loss import RLLoss, with_sequence_rollout_weights
-from megatron_rl.runtime import RunSession, open_session, save
+from megatron_rl.runtime import RunSession, checkpoint_root, finished_run, open_session, save
 from megatron_rl.tracking import MetricsWriter, Timers
-from megatron_rl.tracking.report import Progress, print_summary
-
-
-def prompts_for_step(session: RunSession, step: int):
-    """The step's prompts: consecutive slices of a per-epoch seeded shuffle (resume-safe)."""
-    rows, per_step = session.train_rows, session.cfg.train.prompts_per_step
-    perms: dict[int, torch.Tensor] = {}
-    out = []
-    for k in range(step * per_step, (step + 1) * per_step):
-        epoch, offset = divmod(k, len(rows))
-        if epoch not in perms:
-            perms[epoch] = torch.randperm(len(rows), generator=torch.Generator().manual_seed(session.cfg.data.seed + epoch))
-        out.append(rows[int(perms[epoch][offset])])
-    return out
+from megatron_rl.tracking.report import Progress, write_run_report
 
 
 def evaluate(session: RunSession) -> float:
@@ -47,15 +33,19 @@ def evaluate(session: RunSession) -> float:
 
 
 def controller_rollout(session: RunSession, step: int, timers: Timers):
-    """Controller: generate, score, compute advantages, pad into the step's TrainBatch."""
+    """Controller: generate and score groups (DAPO dynamic sampling: until the step holds train.prompts_per_step
+    groups with reward spread), compute advantages, pad into the step's TrainBatch."""
     cfg = session.cfg
-    with timers("rollout"):
-        samples = rollout.generate_samples(session.client, session.tokenizer, prompts_for_step(session, step),
-                                           cfg.rollout, seed=cfg.rollout.seed * 1_000_003 + step)
-    with timers("reward"):
-        metrics = {**samples.stats, **reward.score(samples, session.reward_fn, cfg.algo, cfg.rollout.sampling.max_new_tokens)}
+    groups = reward.GroupCollector(cfg.train.prompts_per_step, cfg.algo.dapo)
+    while groups.needs_more():
+        with timers("rollout"):
+            samples = rollout.generate_samples(session.client, session.tokenizer, session.prompts.take(cfg.train.prompts_per_step),
+                                               cfg.rollout, seed=rollout.round_seed(cfg.rollout.seed, step, groups.rounds))
+        with timers("reward"):
+            groups.add(samples, reward.score(samples, session.reward_fn, cfg.algo, cfg.rollout.sampling.max_new_tokens))
+    samples, metrics = groups.result()
     with timers("advantages"):
-        adv, _, adv_metrics = reward.advantages(samples, cfg.algo)
+        adv, adv_metrics = reward.advantages(samples, cfg.algo)
         batch = batching.build_train_batch(samples.samples, adv, session.tokenizer.pad_token_id,
                                            batching.seq_multiple(cfg.parallel), session.learner.arch.max_seq_len)
     return batch, {**metrics, **adv_metrics}, samples.samples[: cfg.tracking.log_samples]
@@ -73,7 +63,7 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
     with timers("train"):
         for epoch in range(cfg.train.ppo_epochs):
             for k, mb in enumerate(batching.minibatches(batch, cfg.train.num_minibatches, seed=cfg.train.seed * 7919 + step * 31 + epoch)):
-                mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode), state.dp_rank(), state.dp_size())
+                mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode, batching.agg_max_len(cfg)), state.dp_rank(), state.dp_size())
                 mb, bounds, tap = calib.before_update(learner, mb, epoch, k)
                 loss_fn = RLLoss(cfg.algo, bounds, tap)
                 out = learner.train_step(mb, loss_fn, mbs)
@@ -89,39 +79,50 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
 
 def run(cfg: RunConfig) -> dict:
     """Run (or resume) the RL job described by `cfg`; returns the summary on the controller."""
+    notice = finished_run(cfg)
+    if notice is not None:  # rerunning a finished run starts nothing and leaves its outputs as they are
+        return {"finished": True, "notice": notice}
     session = open_session(cfg)
     timers, is_controller = Timers(), state.is_controller()
     writer = MetricsWriter(session.run_dir, cfg.tracking.jsonl, cfg.tracking.tensorboard,
                            resume_step=session.start_step if session.start_step else None) if is_controller else None
-    start_wall = time.perf_counter()
     try:
         weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step)
         eval_before = session.rl_state.get("eval_before", evaluate(session)) if session.start_step else evaluate(session)
         progress = Progress(cfg.train.steps, session.start_step, enabled=is_controller and cfg.tracking.progress_bar)
+        verdict = health.Verdict(ok=True)
         for step in range(session.start_step, cfg.train.steps):
             batch, metrics, shown = controller_rollout(session, step, timers) if is_controller else (None, {}, [])
             batch = broadcast_from_controller(batch)
             metrics.update(train_on_batch(session, batch, step, timers))
-            with timers("weight_sync"):
-                metrics.update(weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=step + 1))
+            with timers("health"):
+                verdict = session.health.check(session.learner, batch, cfg.train.micro_batch_size, metrics, step,
+                                               checkpoint_root(session))
+                metrics.update(verdict.metrics)
+            if verdict.ok:  # an unhealthy step's weights never reach the engines
+                with timers("weight_sync"):
+                    metrics.update(weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=step + 1))
             if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
                 metrics["accuracy/eval"] = evaluate(session)
             metrics.update(timers.pop())
             if is_controller:
                 writer.write(step, {**metrics, "samples": [s.response_text for s in shown]})
                 progress.update(metrics)
-            if cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 and step + 1 < cfg.train.steps:
+            if verdict.stop:
+                raise health.TrainingHealthError(verdict.stop)
+            if verdict.ok and cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 and step + 1 < cfg.train.steps:
                 save(session, step, {"eval_before": eval_before})
         progress.close()
         eval_after = evaluate(session)
-        save(session, cfg.train.steps - 1, {"eval_before": eval_before, "eval_after": eval_after})
+        if verdict.ok:  # the last step's weights passed the health checks
+            save(session, cfg.train.steps - 1, {"eval_before": eval_before, "eval_after": eval_after})
         if not is_controller:
             return {}
         writer.close()
         from megatron_rl.tracking import read_metrics
 
-        text = print_summary(read_metrics(writer.path), eval_before, eval_after, time.perf_counter() - start_wall)
-        (session.run_dir / "summary.txt").write_text(text + "\n")
+        text = write_run_report(session.run_dir, read_metrics(writer.path), eval_before, eval_after, session.wall_time(),
+                                session.sessions(), plots=cfg.tracking.plots)
         return {"eval_before": eval_before, "eval_after": eval_after, "summary": text}
     finally:
         session.close()

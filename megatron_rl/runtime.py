@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -16,8 +17,11 @@ import torch
 
 from megatron_rl.algo.clipper import CalibratedClipper, make_clipper as clipper_for
 from megatron_rl.config import RunConfig, dump_config
+from megatron_rl.config.run import check_config_for_world
 from megatron_rl.data.jsonl import PromptRow, read_jsonl
 from megatron_rl.parallel import state
+from megatron_rl.phases.health import HealthGuard
+from megatron_rl.phases.rollout import PromptStream
 from megatron_rl.reward import RewardFn, get_reward_fn
 
 
@@ -54,7 +58,21 @@ class RunSession:
     start_step: int = 0
     """First step to run (> 0 when resumed)."""
     rl_state: dict = field(default_factory=dict)
-    """Restored RL state (eval before RL, etc.)."""
+    """Restored RL state (eval before RL, wall time of earlier sessions, etc.)."""
+    prompts: Any = None
+    """PromptStream of the training prompts (its cursor is checkpointed)."""
+    health: Any = None
+    """HealthGuard of the run (its counters are checkpointed)."""
+    started: float = field(default_factory=time.perf_counter)
+    """perf_counter() when this session (process) started building the run."""
+
+    def wall_time(self) -> float:
+        """Seconds spent on this run: earlier sessions up to their last checkpoint plus this session so far."""
+        return float(self.rl_state.get("wall_s", 0.0)) + time.perf_counter() - self.started
+
+    def sessions(self) -> int:
+        """How many sessions (the first run and each resume) this run has taken, this one included."""
+        return int(self.rl_state.get("sessions", 0)) + 1
 
     def close(self) -> None:
         """Stop engines."""
@@ -80,20 +98,45 @@ def set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch"])
 
 
-def load_datasets(cfg: RunConfig, run_dir: Path):
-    """(tokenizer, train rows, eval rows): from files, or generated for the synthetic task into the run dir."""
-    from megatron_rl.data.prepare import prepare_task_data
-    from megatron_rl.data.tokenizer import load_tokenizer
+def needs_task_data(cfg: RunConfig) -> bool:
+    """True when some data (train/eval rows or the tokenizer) is generated for the synthetic task into the run dir."""
+    d = cfg.data
+    return d.train_file is None or d.tokenizer_dir is None or (d.eval_file is None and d.num_eval_prompts > 0)
+
+
+def check_data_paths(cfg: RunConfig) -> None:
+    """DataFileNotFoundError naming the field when a configured data file or tokenizer directory does not exist."""
+    from megatron_rl.data.jsonl import DataFileNotFoundError
 
     d = cfg.data
-    if d.train_file is None or d.tokenizer_dir is None or (d.eval_file is None and d.num_eval_prompts > 0):
-        paths = prepare_task_data(cfg.data, run_dir / "data")
-    else:
-        paths = {}
-    tokenizer = load_tokenizer(d.tokenizer_dir or paths["tokenizer"])
+    for name, path in (("data.train_file", d.train_file), ("data.eval_file", d.eval_file)):
+        if path is not None and not Path(path).is_file():
+            raise DataFileNotFoundError(f"{name}: file not found: {path}")
+    if d.tokenizer_dir is not None and not Path(d.tokenizer_dir).is_dir():
+        raise DataFileNotFoundError(f"data.tokenizer_dir: directory not found: {d.tokenizer_dir}")
+
+
+def load_datasets(cfg: RunConfig, run_dir: Path):
+    """(tokenizer, train rows, eval rows): from files, or generated for the synthetic task into the run dir.
+
+    Every row is read and encoded once here, so a missing file, a bad line or a character outside the
+    tokenizer's vocabulary is a DataFormatError naming the config field or file:line before any work.
+    """
+    from megatron_rl.data.jsonl import DataFormatError
+    from megatron_rl.data.prepare import prepare_task_data
+    from megatron_rl.data.tokenizer import check_encodable, load_tokenizer
+
+    d = cfg.data
+    check_data_paths(cfg)
+    paths = prepare_task_data(cfg.data, run_dir / "data") if needs_task_data(cfg) else {}
+    try:
+        tokenizer = load_tokenizer(d.tokenizer_dir or paths["tokenizer"])
+    except (OSError, ValueError) as exc:
+        raise DataFormatError(f"data.tokenizer_dir: {exc}") from None
     train = read_jsonl(d.train_file or paths["train"])
     eval_path = d.eval_file or paths.get("eval")
     evals = read_jsonl(eval_path) if eval_path else []
+    check_encodable(tokenizer, train + evals)
     return tokenizer, train, evals
 
 
@@ -158,24 +201,32 @@ def check_rollout_engines(cfg: RunConfig) -> None:
 def open_session(cfg: RunConfig) -> RunSession:
     """Build the whole run; resumes from the newest checkpoint of run_dir when cfg.checkpoint.resume."""
     from megatron_rl.trainer.learner import Learner
-    from megatron_rl.warm_start import ensure_warm_start, initialize_learner
+    from megatron_rl.warm_start import ensure_warm_start, initialize_learner, needs_warm_start
 
+    started = time.perf_counter()
     run_dir = Path(cfg.run_dir)
+    # The user's data files are read and checked before any distributed or model work (errors within seconds).
+    check_data_paths(cfg)
+    given_data = None if needs_task_data(cfg) else load_datasets(cfg, run_dir)
     state.init_distributed(cfg.parallel, cfg.train.seed)
+    check_config_for_world(cfg, state.dp_size(), sft=needs_warm_start(cfg, run_dir))
     seed_everything(cfg.train.seed)
     if state.is_controller():
         check_rollout_engines(cfg)
     if state.is_controller():
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, run_dir / "config.yaml")
-    tokenizer, train_rows, eval_rows = _controller_first(lambda: load_datasets(cfg, run_dir))
+    tokenizer, train_rows, eval_rows = given_data or _controller_first(lambda: load_datasets(cfg, run_dir))
     hf_dir = ensure_warm_start(cfg, run_dir, tokenizer, train_rows)
     total = cfg.train.steps * cfg.train.num_minibatches * cfg.train.ppo_epochs
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=len(tokenizer),
                       seed=cfg.train.seed, total_steps=total)
     hf_dir = initialize_learner(learner, hf_dir, tokenizer, run_dir)
     session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
-                         reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir)
+                         reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir,
+                         prompts=PromptStream(train_rows, cfg.data.seed),
+                         health=HealthGuard(cfg.train.health, learner.arch.vocab_size, cfg.train.ppo_epochs * cfg.train.num_minibatches),
+                         started=started)
     if cfg.algo.kl.coef > 0:
         from megatron_rl.phases.logprobs import ReferencePolicy
 
@@ -214,6 +265,10 @@ def _maybe_resume(session: RunSession) -> None:
         return
     rl_state = load_checkpoint(session.learner, path)
     session.start_step = int(rl_state["step"]) + 1
+    # checkpoints from before DAPO refills advanced the cursor by exactly prompts_per_step per step
+    session.prompts.cursor = int(rl_state.get("prompt_cursor", session.start_step * session.cfg.train.prompts_per_step))
+    if rl_state.get("health") is not None:
+        session.health.load_state_dict(rl_state["health"])
     if session.clipper is not None and rl_state.get("clipper") is not None:
         session.clipper.load_state_dict(rl_state["clipper"])
     # load_checkpoint restores per-rank RNG under the same layout; the controller's python/torch
@@ -225,10 +280,36 @@ def _maybe_resume(session: RunSession) -> None:
         print(f"resumed from {path} at step {session.start_step}", flush=True)
 
 
+def finished_run(cfg: RunConfig) -> Optional[str]:
+    """For a run whose final checkpoint already exists (rerunning it has nothing to do): print a one-line notice
+    and return it; else None.
+
+    Reads files only (no distributed init, no engines): every rank of a torchrun job reaches the same answer,
+    and torchrun's RANK says which one prints.
+    """
+    from megatron_rl.trainer.checkpoint import checkpoint_meta, latest_checkpoint
+
+    run_dir = Path(cfg.run_dir)
+    path = latest_checkpoint(str(run_dir / "checkpoints")) if cfg.checkpoint.resume else None
+    done = int(checkpoint_meta(path)["step"]) + 1 if path is not None else 0
+    if done == 0 or done < cfg.train.steps:
+        return None
+    summary = run_dir / "summary.txt"
+    where = f"its summary is {summary}" if summary.exists() else f"no {summary} (the run stopped before writing it)"
+    notice = (f"run already complete: {run_dir} finished its {done} steps ({Path(path).name}); {where}. "
+              f"To start over add checkpoint.resume=false (overwrites it) or pick a new run_dir=...; "
+              f"to train further raise train.steps.")
+    if os.environ.get("RANK", "0") == "0":
+        print(notice, flush=True)
+    return notice
+
+
 def save(session: RunSession, step: int, extra: dict) -> None:
     """Checkpoint model, optimizer and RL state after `step`."""
     from megatron_rl.trainer.checkpoint import save_checkpoint
 
     # the clipper's state is the last pipeline stage's: StepCalibration.finish copies it to every stage each step
-    rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None, **extra}
+    rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None,
+                "prompt_cursor": session.prompts.cursor, "health": session.health.state_dict(),
+                "wall_s": session.wall_time(), "sessions": session.sessions(), **extra}
     save_checkpoint(session.learner, checkpoint_root(session), step, rl_state, keep_last=session.cfg.checkpoint.keep_last)

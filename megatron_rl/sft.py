@@ -19,6 +19,7 @@ from megatron_rl.data.jsonl import PromptRow
 from megatron_rl.parallel import state
 from megatron_rl.phases import batching
 from megatron_rl.phases.batching import dp_shard
+from megatron_rl.tracking.report import Progress
 from megatron_rl.types import TrainBatch
 
 
@@ -53,8 +54,6 @@ def nll_loss(logprobs: torch.Tensor, entropy: torch.Tensor, mb: TrainBatch, ctx)
 
 def run_sft(cfg: RunConfig, tokenizer, train_rows: Sequence[PromptRow], out_dir: Path) -> dict[str, float]:
     """Train cfg.sft.steps steps from a fresh model, export <out_dir>/hf and a distributed checkpoint."""
-    from tqdm.auto import tqdm
-
     from megatron_rl.trainer.checkpoint import save_checkpoint
     from megatron_rl.trainer.learner import Learner
     from megatron_rl.warm_start import export_hf_dir
@@ -68,16 +67,16 @@ def run_sft(cfg: RunConfig, tokenizer, train_rows: Sequence[PromptRow], out_dir:
         raise ValueError(f"sft.global_batch_size={s.global_batch_size} must be divisible by DP size {dp} * sft.micro_batch_size={s.micro_batch_size}")
     rng = random.Random(cfg.data.seed)
     seq_multiple = batching.seq_multiple(cfg.parallel)
-    bar = tqdm(range(s.steps), desc="SFT warm start", unit="step", disable=not (state.is_controller() and cfg.tracking.progress_bar), dynamic_ncols=True)
+    bar = Progress(s.steps, desc="SFT warm start", keys=(("loss", "loss"),),
+                   enabled=state.is_controller() and cfg.tracking.progress_bar)
     start = time.perf_counter()
     loss = float("nan")
-    for step in bar:
+    for _step in range(s.steps):
         rows = [train_rows[rng.randrange(len(train_rows))] for _ in range(s.global_batch_size)]
         batch = dp_shard(sft_batch(tokenizer, rows, seq_multiple), rank, dp)
         metrics = learner.train_step(batch, nll_loss, s.micro_batch_size)
         loss = metrics["loss"]
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        bar.update({"loss": loss})
     bar.close()
     export_hf_dir(learner, tokenizer, out_dir / "hf")
     save_checkpoint(learner, str(out_dir / "checkpoints"), s.steps, {"step": s.steps, "kind": "sft"}, keep_last=1)

@@ -21,6 +21,11 @@ def sft_dir(cfg: RunConfig, run_dir: Path) -> Path:
     return Path(cfg.sft.output_dir) if cfg.sft.output_dir else run_dir / "sft"
 
 
+def needs_warm_start(cfg: RunConfig, run_dir: Path) -> bool:
+    """True when the run will train the supervised warm start (no init checkpoint and no earlier warm start to reuse)."""
+    return not cfg.model.init_checkpoint and not (sft_dir(cfg, run_dir) / "hf" / "model.safetensors").exists()
+
+
 def ensure_warm_start(cfg: RunConfig, run_dir: Path, tokenizer, train_rows) -> str:
     """The HF directory the run starts from (running the SFT warm start first if needed)."""
     if cfg.model.init_checkpoint:
@@ -30,7 +35,7 @@ def ensure_warm_start(cfg: RunConfig, run_dir: Path, tokenizer, train_rows) -> s
                                     "nor a megatron distributed checkpoint")
         return str(path)
     out = sft_dir(cfg, run_dir) / "hf"
-    if not (out / "model.safetensors").exists():
+    if needs_warm_start(cfg, run_dir):
         from megatron_rl.sft import run_sft
 
         run_sft(cfg, tokenizer, train_rows, sft_dir(cfg, run_dir))

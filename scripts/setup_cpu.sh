@@ -1,25 +1,43 @@
 #!/usr/bin/env bash
 # Create .venv and install the CPU path: torch==2.13.0 first (from local disk), then the project
-# with the pinned, tested versions. Idempotent; safe to re-run. Usage: bash scripts/setup_cpu.sh
+# with the pinned, tested versions. Idempotent and quick to re-run: when none of the install inputs
+# changed since the last successful install (see scripts/install_stamp.sh) it does nothing; when it
+# does install it prints one line, and pip's output only if the install fails.
+# Usage: bash scripts/setup_cpu.sh           # set up (or do nothing when up to date)
+#        bash scripts/setup_cpu.sh --check   # exit 0 when up to date, 1 when a setup would install
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
-pip_install() {
-  # Some machines list local package mirrors that may be absent; hide pip's warnings about them, keep its status.
-  local log
-  log=$(mktemp)
-  if ! python -m pip install -q "$@" >"$log" 2>&1; then
-    grep -v "is ignored" "$log" >&2 || true
-    rm -f "$log"
-    return 1
-  fi
-  grep -v "is ignored" "$log" || true
-  rm -f "$log"
+STAMP=.venv/.install_stamp
+
+up_to_date() {
+  [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(bash scripts/install_stamp.sh)" = "$(cat "$STAMP")" ]
 }
-pip_install --upgrade pip
+
+if [ "${1:-}" = "--check" ]; then
+  if up_to_date; then echo "up to date"; exit 0; fi
+  echo "setup would install"
+  exit 1
+fi
+up_to_date && exit 0
+
+echo "setup: installing the CPU environment into .venv (pinned versions; first time takes a few minutes)" >&2
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+rm -f "$STAMP"
+. .venv/bin/activate
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+step() {
+  # Quiet on success; on failure show what the step printed (less pip's notes about absent local mirrors).
+  if ! "$@" >"$log" 2>&1; then
+    echo "setup failed: $*" >&2
+    grep -v "is ignored" "$log" >&2 || true
+    exit 1
+  fi
+}
+step python -m pip install -q --upgrade pip
 # torch first and pinned: any later resolution must find it satisfied, never fetch a CUDA build.
-pip_install "torch==2.13.0"
-pip_install -c constraints/cpu.txt -e ".[test]"
-python -W ignore -c "import torch, megatron.core, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+step python -m pip install -q "torch==2.13.0"
+step python -m pip install -q -c constraints/cpu.txt -e ".[test]"
+step python -W ignore -c "import torch, megatron.core, transformers, matplotlib; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+bash scripts/install_stamp.sh >"$STAMP"

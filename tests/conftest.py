@@ -9,14 +9,20 @@ Usage from a test:
 A worker script calls `report(obj)` from tests/distributed/dist_report.py (or writes
 `{RUN_DISTRIBUTED_RESULT_DIR}/rank{RANK}.json` itself). Processes are started with
 `python -m torch.distributed.run --standalone`, one CPU thread each.
+
+At the end of the run, a test session that leaves a process behind fails, naming it (`pytest_sessionfinish`):
+pytest makes itself the subreaper of its descendants (Linux), so a grandchild orphaned by a killed parent
+(a SIGKILLed trainer's checkpoint writer, say) is still found among its children.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -74,3 +80,83 @@ def run_distributed(
 def distributed_runner():
     """The `run_distributed` function, as a fixture."""
     return run_distributed
+
+
+LEFTOVER_GRACE_S = 5.0
+"""How long processes still exiting at the end of the run get before they count as left behind."""
+
+
+def pytest_configure(config) -> None:
+    """Become the child subreaper (Linux), so orphaned descendants are reparented to pytest and found at the end."""
+    if sys.platform.startswith("linux"):
+        pr_set_child_subreaper = 36
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+
+
+def _helpers_ending_with_pytest() -> set[int]:
+    """Pids of this process's own process-wide helpers, which end with it, so are not left behind by a test:
+    its multiprocessing resource tracker (exits when pytest closes its pipe), multiprocessing Manager servers
+    it started (Python's exit handlers shut them down; megatron-core's checkpoint writer keeps one for the life
+    of the process that saved), and megatron_rl's child reaper (exits with the process it watches)."""
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    pids = {p.pid for p in multiprocessing.active_children() if "Manager" in p.name}
+    tracker = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
+    if tracker:
+        pids.add(tracker)
+    reaper = sys.modules.get("megatron_rl.child_reaper")
+    if reaper is not None and hasattr(reaper, "reaper_pid") and reaper.reaper_pid():
+        pids.add(reaper.reaper_pid())
+    return pids
+
+
+def _live_children() -> list:
+    """Descendants of this process still running, less its own helpers and theirs (zombies are reaped: they exited)."""
+    import psutil
+
+    helpers = _helpers_ending_with_pytest()
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+            elif child.pid not in helpers and child.ppid() not in helpers:
+                alive.append(child)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            pass
+    return alive
+
+
+def _describe(proc) -> str:
+    import psutil
+
+    try:
+        return f"pid {proc.pid} {proc.name()}: {' '.join(proc.cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {proc.pid} (exited)"
+
+
+@pytest.hookimpl(trylast=True)  # after session-scoped fixtures are torn down (they may own servers)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Fail the run when a test left a process behind: name each one, then kill it."""
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    left = _live_children()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _live_children()
+    if not left:
+        return
+    lines = [_describe(p) for p in left]
+    for proc in left:
+        try:
+            proc.kill()
+        except Exception:
+            pass
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = "error: the tests left processes behind (killed now; find the test that started them):\n  " + "\n  ".join(lines)
+    if reporter is not None:
+        reporter.write_line(message, red=True, bold=True)
+    else:
+        print(message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -6,7 +6,8 @@ train:N       pauses inside step N's training, after its first mini-batch update
               optimizer and clipper in memory (none of which may leak into the resumed run);
 checkpoint:N  pauses inside the checkpoint write after step N, with the shards written to the
               temporary directory but the checkpoint not yet published.
-On pausing it writes the marker file {"pid": trainer pid, "engine_pids": [...]} and sleeps.
+On pausing it writes the marker file {"pid": trainer pid, "engine_pids": [...], "children": [[pid, cmdline], ...]}
+(every descendant of the trainer at that moment) and sleeps.
 """
 from __future__ import annotations
 
@@ -23,7 +24,15 @@ def _pause() -> None:
     """Report where we are, then wait to be killed."""
     marker = Path(os.environ["RESUME_HOOK_MARKER"])
     tmp = marker.with_suffix(".partial")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "engine_pids": _engine_pids}))
+    import psutil
+
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            children.append([child.pid, " ".join(child.cmdline())])
+        except psutil.Error:
+            pass
+    tmp.write_text(json.dumps({"pid": os.getpid(), "engine_pids": _engine_pids, "children": children}))
     tmp.replace(marker)
     time.sleep(3600)
 

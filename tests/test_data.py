@@ -8,7 +8,7 @@ from megatron_rl.config.data import DataConfig
 from megatron_rl.data.jsonl import DataFormatError, PromptRow, read_jsonl, write_jsonl
 from megatron_rl.data.prepare import prepare_task_data
 from megatron_rl.data.tasks import generate, get_task
-from megatron_rl.data.tokenizer import build_char_tokenizer, load_tokenizer
+from megatron_rl.data.tokenizer import build_char_tokenizer, check_encodable, load_tokenizer
 from megatron_rl.reward import get_reward_fn
 
 
@@ -35,6 +35,61 @@ def test_malformed_line_reports_file_and_line(tmp_path, bad_line, message):
     with pytest.raises(DataFormatError) as exc:
         read_jsonl(path)
     assert f"{path}:3" in str(exc.value) and message in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"prompt": "1+1=", "answer": null}', "'answer' is null"),
+        ('{"prompt": "1+1=", "answer": [2]}', "'answer' must be a string or a number, got a JSON array"),
+        ('{"prompt": "1+1=", "answer": {"v": 2}}', "'answer' must be a string or a number, got a JSON object"),
+        ('{"prompt": "1+1=", "answer": NaN}', "'answer' is nan"),
+    ],
+)
+def test_null_and_non_scalar_answers_are_rejected(tmp_path, bad_line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": 2}\n' + bad_line + "\n")
+    with pytest.raises(DataFormatError) as exc:
+        read_jsonl(path)
+    assert str(exc.value).startswith(f"{path}:2: ") and message in str(exc.value)
+
+
+def test_non_utf8_byte_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(DataFormatError, match=rf"{path}:2: not valid UTF-8 \(byte 0xe9"):
+        read_jsonl(path)
+
+
+def test_characters_outside_the_vocabulary_name_file_and_line(tmp_path):
+    tok = build_char_tokenizer(tmp_path / "tok")
+    path = tmp_path / "d.jsonl"
+    lines = ['{"prompt": "%d+1=", "answer": "%d"}' % (i, i + 1) for i in range(50)]
+    lines[37] = '{"prompt": "7#1=", "answer": "8"}'
+    path.write_text("\n".join(lines) + '\n{"prompt": "1+1=", "answer": "\u00bd"}\n')
+    rows = read_jsonl(path)
+    check_encodable(tok, rows[:37])
+    with pytest.raises(DataFormatError, match=rf"{path}:38: prompt has characters outside the tokenizer's vocabulary: '#'"):
+        check_encodable(tok, rows, batch_size=16)
+    with pytest.raises(DataFormatError, match=rf"{path}:51: answer has characters outside .*'\u00bd'"):
+        check_encodable(tok, rows[38:])
+
+
+def test_missing_data_files_name_the_field(tmp_path):
+    from megatron_rl.config import load_config
+    from megatron_rl.runtime import load_datasets
+
+    cfg = load_config(None, [f"data.train_file={tmp_path / 'nope.jsonl'}"])
+    with pytest.raises(DataFormatError, match=r"data\.train_file: file not found: .*nope\.jsonl"):
+        load_datasets(cfg, tmp_path)
+    (tmp_path / "t.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = load_config(None, [f"data.train_file={tmp_path / 't.jsonl'}", f"data.tokenizer_dir={tmp_path / 'no_tok'}",
+                             "data.num_eval_prompts=0"])
+    with pytest.raises(DataFormatError, match=r"data\.tokenizer_dir: directory not found"):
+        load_datasets(cfg, tmp_path)
+    (tmp_path / "no_tok").mkdir()
+    with pytest.raises(DataFormatError, match=r"data\.tokenizer_dir: no tokenizer\.json"):
+        load_datasets(cfg, tmp_path)
 
 
 def test_empty_and_missing_files(tmp_path):

@@ -13,6 +13,8 @@ import pytest
 from calibration_spec import check_run_dumps
 from rl_runs import CONFIG, cli_env, tiny_overrides, train, warm_start
 
+from megatron_rl.data.tokenizer import build_char_tokenizer
+
 QUANTILES = ("q0.1", "q1", "q50", "q99", "q99.9")
 # docs/CALIBRATED_CLIPPING.md section 4, split by when each is defined.
 ALWAYS = ("clipfrac", "calib/lower", "calib/upper", "calib/alpha_target", "calib/rho_target", "entropy",
@@ -70,7 +72,18 @@ def test_two_step_fp8_calibrated_run(warm, tmp_path):
     checked = check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2)
     assert checked, "no dumped step had tokens of both signs"
     summary = (run_dir / "summary.txt").read_text()
-    assert "calibrated L / H" in summary and "steps" in summary
+    assert "calibrated L / H (final)" in summary and "steps" in summary
+    plots = {p.name for p in (run_dir / "plots").glob("*.png")}
+    assert plots == {"reward.png", "entropy.png", "clipfrac.png", "bounds.png"}
+    assert f"plots: {run_dir / 'plots'}/{{" in summary
+    # the same command again: one line saying the run is complete, nothing started, the summary left as it was
+    before = (run_dir / "summary.txt").stat()
+    proc, _ = _cli(["train", str(CONFIG), f"run_dir={run_dir}", *tiny_overrides(warm, "train.steps=2")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"run already complete: {run_dir} finished its 2 steps"), proc.stdout
+    assert len(proc.stdout.splitlines()) == 1 and "Warning" not in proc.stderr
+    after = (run_dir / "summary.txt").stat()
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
 
 
 def _cli(args: list[str], timeout: float = 180) -> tuple[subprocess.CompletedProcess, float]:
@@ -91,11 +104,23 @@ def test_cli_malformed_jsonl_names_file_and_line(tmp_path):
     data = tmp_path / "train.jsonl"
     good = '{"prompt": "1+2=", "answer": "3"}\n'
     data.write_text(good * 3 + '{"prompt": "2+2=", "answer": \n' + good)
+    tokenizer = tmp_path / "tok"
+    build_char_tokenizer(tokenizer)
     proc, _ = _cli(["train", str(CONFIG), f"run_dir={tmp_path / 'run'}", f"data.train_file={data}",
-                    "data.num_train_prompts=16", "data.num_eval_prompts=4"])
-    assert proc.returncode != 0
+                    f"data.tokenizer_dir={tokenizer}", "data.num_train_prompts=16", "data.num_eval_prompts=0"])
+    assert proc.returncode == 2
     assert f"{data}:4" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    # found before any work: the run directory (config.yaml, SFT, checkpoints) was never created
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_missing_train_file_is_one_error_line(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    proc, _ = _cli(["train", str(CONFIG), f"run_dir={tmp_path / 'run'}", f"data.train_file={missing}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == f"error: data.train_file: file not found: {missing}", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "[rank0]" not in proc.stderr
 
 
 def test_cli_unreachable_external_server_fails_fast(tmp_path):

@@ -34,9 +34,6 @@ def test_train_batch_alignment_and_empty_completion():
 def test_too_long_sequences_and_indivisible_batches_are_reported():
     with pytest.raises(ValueError, match="max_seq_len=2"):
         batching.build_train_batch([_sample([1, 2], [3, 4])], torch.zeros(1), pad_id=0, max_seq_len=2)
-    with pytest.raises(ValueError, match="train.num_minibatches"):
-        batching.check_divisible(24, dp_size=2, num_minibatches=2, micro_batch_size=4)
-    batching.check_divisible(32, dp_size=2, num_minibatches=2, micro_batch_size=4)
 
 
 def test_minibatches_partition_rows_and_weights_sum_to_one():

@@ -96,7 +96,8 @@ def test_client_resends_whole_prompts_to_survivors():
         assert client.dead == {dead, hung.url}
         assert sum("failed" in str(w.message) for w in caught) == 2  # one warning per dead engine
         # the last live engine gets the full retry budget, and an all-dead client says so
-        client.mark_dead(good.url, "test")
+        with pytest.warns(RuntimeWarning, match=f"{good.url} failed"):
+            client.mark_dead(good.url, "test")
         with pytest.raises(RolloutServerError, match="every rollout server"):
             client.generate_sync([1, 2], {"n": 1, "sampling_seed": 1})
 

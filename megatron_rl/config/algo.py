@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from megatron_rl.config.base import StrictConfig
+from megatron_rl.config.base import (NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Seed, StrictConfig,
+                                     UnitFloat)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -23,15 +24,10 @@ class AdvantageConfig(StrictConfig):
 
     estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     """grpo: (r - group mean) / (group std + eps); drgrpo: r - group mean (no std); rloo: leave-one-out baseline."""
-    std_eps: float = 1e-6
-    """Added to the group std before dividing (grpo)."""
+    std_eps: NonNegativeFloat = 1e-6
+    """Added to the group std before dividing (grpo); >= 0."""
     unbiased_std: bool = True
     """Use the unbiased (n-1) group std, as torch.std and verl do; False uses the population std."""
-
-    @model_validator(mode="after")
-    def _validate(self) -> "AdvantageConfig":
-        _check(self.std_eps >= 0, f"algo.advantage.std_eps must be >= 0, got {self.std_eps}")
-        return self
 
 
 class PolicyLossConfig(StrictConfig):
@@ -39,34 +35,20 @@ class PolicyLossConfig(StrictConfig):
 
     name: Literal["ppo", "dual_clip", "cispo"] = "ppo"
     """ppo: clipped surrogate with ratio bounds [L, H]; dual_clip: ppo plus the c-bound for A<0; cispo: clipped-IS-weight REINFORCE."""
-    eps_low: float = 0.2
-    """Lower clip range: the uncalibrated lower ratio bound is 1 - eps_low."""
-    eps_high: float = 0.2
-    """Upper clip range: the uncalibrated upper ratio bound is 1 + eps_high (DAPO clip-higher: 0.28)."""
-    dual_clip_c: float = 3.0
+    eps_low: float = Field(0.2, ge=0, lt=1, allow_inf_nan=False)
+    """Lower clip range in [0, 1): the uncalibrated lower ratio bound is 1 - eps_low."""
+    eps_high: NonNegativeFloat = 0.2
+    """Upper clip range (>= 0): the uncalibrated upper ratio bound is 1 + eps_high (DAPO clip-higher: 0.28)."""
+    dual_clip_c: float = Field(3.0, gt=1, allow_inf_nan=False)
     """Dual-clip constant c (> 1): for A < 0 the loss is capped at -c * A."""
     agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation over tokens of the global batch (seq-mean-token-sum-norm is Dr.GRPO's constant normaliser)."""
-    max_response_length: Optional[int] = None
-    """Normaliser of seq-mean-token-sum-norm (Dr.GRPO); required by that mode."""
-    log_ratio_clamp: float = 20.0
-    """log(pi/pi_old) is clamped to +-this before exp, so a wild token cannot overflow."""
-    entropy_coef: float = 0.0
-    """Entropy bonus coefficient (the loss subtracts coef * entropy)."""
-
-    @model_validator(mode="after")
-    def _validate(self) -> "PolicyLossConfig":
-        _check(0 <= self.eps_low < 1, f"algo.policy_loss.eps_low must be in [0, 1), got {self.eps_low}")
-        _check(self.eps_high >= 0, f"algo.policy_loss.eps_high must be >= 0, got {self.eps_high}")
-        _check(self.dual_clip_c > 1, f"algo.policy_loss.dual_clip_c must be > 1, got {self.dual_clip_c}")
-        _check(self.log_ratio_clamp > 0, f"algo.policy_loss.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
-        _check(self.entropy_coef >= 0, f"algo.policy_loss.entropy_coef must be >= 0, got {self.entropy_coef}")
-        if self.agg_mode == "seq-mean-token-sum-norm":
-            _check(
-                self.max_response_length is not None and self.max_response_length > 0,
-                "algo.policy_loss.max_response_length must be a positive int when agg_mode=seq-mean-token-sum-norm",
-            )
-        return self
+    max_response_length: Optional[PositiveInt] = None
+    """Constant normaliser of seq-mean-token-sum-norm (Dr.GRPO), >= 1; None uses rollout.sampling.max_new_tokens."""
+    log_ratio_clamp: PositiveFloat = 20.0
+    """log(pi/pi_old) is clamped to +-this (> 0) before exp, so a wild token cannot overflow."""
+    entropy_coef: NonNegativeFloat = 0.0
+    """Entropy bonus coefficient (>= 0; the loss subtracts coef * entropy)."""
 
 
 class CalibrationConfig(StrictConfig):
@@ -76,9 +58,9 @@ class CalibrationConfig(StrictConfig):
     """Turn Calibrated Clipping on (off: bounds are 1 - eps_low and 1 + eps_high)."""
     upper: Literal["match_contribution", "log_scale", "fixed"] = "match_contribution"
     """Upper-bound rule: match_contribution (paper default), log_scale, or fixed (1 + eps_high)."""
-    calibrate_every: int = 20
+    calibrate_every: PositiveInt = 20
     """A calibration event every this many steps (paper: 20): shadow forwards, one pooled solve at the end of the step, bounds held from the next step."""
-    smoothing: float = 0.5
+    smoothing: float = Field(0.5, ge=0, lt=1, allow_inf_nan=False)
     """EMA weight of the held bound, once per calibration event: new = smoothing * old + (1 - smoothing) * solved (per_minibatch pre-pass solves apply unsmoothed)."""
     bounds_update: Literal["per_calibration", "per_minibatch"] = "per_calibration"
     """per_calibration (paper): one pooled solve per calibration step, held until the next; per_minibatch: also re-solve before every off-policy mini-batch from a no-grad FP8 pre-pass."""
@@ -86,31 +68,31 @@ class CalibrationConfig(StrictConfig):
     """Guard rail: calibration only relaxes the bounds (L <= 1 - eps_low, H >= 1 + eps_high); false allows tightening."""
     target_source: Literal["shadow", "static"] = "shadow"
     """shadow: alpha and rho from the high-precision shadow pass; static: alpha and rho from this config."""
-    static_alpha: Optional[float] = None
+    static_alpha: Optional[UnitFloat] = None
     """alpha (fraction of negative-advantage tokens below the lower bound) when target_source=static."""
-    static_rho: Optional[float] = None
+    static_rho: Optional[NonNegativeFloat] = None
     """rho (positive/negative contribution ratio) when target_source=static."""
-    shadow_fraction: float = 1.0
+    shadow_fraction: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     """Fraction of the step's rows that run the high-precision shadow forwards and feed the calibration solve (same seeded draw on every rank)."""
     backend: Literal["allgather", "histogram"] = "allgather"
     """Distributed statistics backend: allgather (exact unless subsampled) or histogram (one all-reduce)."""
-    max_samples_per_rank: int = 65536
+    max_samples_per_rank: PositiveInt = 65536
     """allgather: each rank contributes at most this many (ratio, advantage) pairs to a solve (uniform subsample beyond; the dumps then hold more than the solve saw)."""
-    hist_bins: int = 8192
+    hist_bins: int = Field(8192, ge=2)
     """histogram: number of bins over log r (plus one underflow and one overflow bin)."""
-    hist_log_min: float = -4.0
+    hist_log_min: float = Field(-4.0, ge=-100, le=100, allow_inf_nan=False)
     """histogram: lower edge of the binned log-ratio range."""
-    hist_log_max: float = 4.0
+    hist_log_max: float = Field(4.0, ge=-100, le=100, allow_inf_nan=False)
     """histogram: upper edge of the binned log-ratio range."""
-    lower_min: float = 0.05
+    lower_min: float = Field(0.05, gt=0, le=1, allow_inf_nan=False)
     """Clamp: smallest allowed calibrated lower bound L."""
-    lower_max: float = 1.0
+    lower_max: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     """Clamp: largest allowed calibrated lower bound L."""
-    upper_min: float = 1.0
+    upper_min: float = Field(1.0, ge=1, allow_inf_nan=False)
     """Clamp: smallest allowed calibrated upper bound H."""
-    upper_max: float = 10.0
+    upper_max: float = Field(10.0, ge=1, allow_inf_nan=False)
     """Clamp: largest allowed calibrated upper bound H."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the shadow_fraction draws and of the allgather subsampling."""
 
     @field_validator("bounds_update", mode="before")
@@ -153,18 +135,17 @@ class RolloutCorrectionConfig(StrictConfig):
     """none; tis: truncated IS weight min(w, C); mis: masked IS (w kept inside [mis_low, mis_high], 0 outside; ICEPOP at token level)."""
     level: Literal["token", "sequence"] = "token"
     """token: a weight per token; sequence: one weight per sequence from the summed log-ratio."""
-    tis_cap: float = 2.0
-    """Truncation C of TIS (paper and peers: 2)."""
-    mis_low: float = 0.5
-    """MIS/ICEPOP: weights below this are masked to 0."""
-    mis_high: float = 2.0
-    """MIS/ICEPOP: weights above this are masked to 0."""
+    tis_cap: PositiveFloat = 2.0
+    """Truncation C of TIS (> 0; paper and peers: 2)."""
+    mis_low: NonNegativeFloat = 0.5
+    """MIS/ICEPOP: weights below this (>= 0) are masked to 0."""
+    mis_high: PositiveFloat = 2.0
+    """MIS/ICEPOP: weights above this (> mis_low) are masked to 0."""
 
     @model_validator(mode="after")
     def _validate(self) -> "RolloutCorrectionConfig":
         p = "algo.rollout_correction."
-        _check(self.tis_cap > 0, f"{p}tis_cap must be > 0, got {self.tis_cap}")
-        _check(0 <= self.mis_low < self.mis_high, f"{p}mis_low/mis_high need 0 <= mis_low < mis_high")
+        _check(self.mis_low < self.mis_high, f"{p}mis_low must be < {p}mis_high")
         return self
 
 
@@ -172,19 +153,19 @@ class DapoConfig(StrictConfig):
     """DAPO extras: dynamic sampling and overlong reward shaping."""
 
     dynamic_sampling: bool = False
-    """Drop prompt groups whose rewards all agree (zero std): they carry no GRPO signal."""
-    overlong_buffer: int = 0
-    """Length of the soft overlong buffer (0 = shaping off)."""
-    overlong_penalty_factor: float = 1.0
-    """Penalty at the hard limit: penalty = min(-(len - (Lmax - buffer)) / buffer * factor, 0)."""
-    max_response_length: Optional[int] = None
-    """Lmax of the shaping (default: the rollout's max_new_tokens, filled in by the loop)."""
+    """Drop prompt groups whose rewards all agree (zero spread) and generate more prompts until train.prompts_per_step groups with spread are collected (DAPO)."""
+    max_gen_batches: NonNegativeInt = 10
+    """Dynamic sampling: at most this many generation rounds (of train.prompts_per_step prompts) per step; the run stops with an error naming this field when they do not fill the batch (0 = no limit, as verl's max_num_gen_batches)."""
+    overlong_buffer: NonNegativeInt = 0
+    """Length of the soft overlong buffer (>= 0; 0 = shaping off)."""
+    overlong_penalty_factor: NonNegativeFloat = 1.0
+    """Penalty at the hard limit (>= 0): penalty = min(-(len - (Lmax - buffer)) / buffer * factor, 0)."""
+    max_response_length: Optional[PositiveInt] = None
+    """Lmax of the shaping (>= 1; default: the rollout's max_new_tokens, filled in by the loop)."""
 
     @model_validator(mode="after")
     def _validate(self) -> "DapoConfig":
         p = "algo.dapo."
-        _check(self.overlong_buffer >= 0, f"{p}overlong_buffer must be >= 0, got {self.overlong_buffer}")
-        _check(self.overlong_penalty_factor >= 0, f"{p}overlong_penalty_factor must be >= 0")
         if self.max_response_length is not None:
             _check(self.max_response_length > self.overlong_buffer, f"{p}max_response_length must exceed {p}overlong_buffer")
         return self
@@ -193,15 +174,10 @@ class DapoConfig(StrictConfig):
 class KLConfig(StrictConfig):
     """KL penalty to a frozen reference policy, added to the per-token loss."""
 
-    coef: float = 0.0
-    """KL coefficient (0 = off; no reference forward is needed then)."""
+    coef: NonNegativeFloat = 0.0
+    """KL coefficient (>= 0; 0 = off, no reference forward is needed then)."""
     estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator: k1 = log-ratio, k2 = half squared log-ratio, k3 = Schulman's low-variance estimator."""
-
-    @model_validator(mode="after")
-    def _validate(self) -> "KLConfig":
-        _check(self.coef >= 0, f"algo.kl.coef must be >= 0, got {self.coef}")
-        return self
 
 
 class AlgoConfig(StrictConfig):
@@ -219,13 +195,7 @@ class AlgoConfig(StrictConfig):
     """DAPO dynamic sampling and overlong shaping."""
     kl: KLConfig = KLConfig()
     """KL-to-reference penalty."""
-    ratio_hist_bins: int = 512
-    """Bins of the log-ratio histograms carried in the loss metrics (for ratio quantiles)."""
-    ratio_hist_log_range: float = 2.0
-    """Those histograms cover log r in [-range, range] (plus under/overflow)."""
-
-    @model_validator(mode="after")
-    def _validate(self) -> "AlgoConfig":
-        _check(self.ratio_hist_bins >= 2, f"algo.ratio_hist_bins must be >= 2, got {self.ratio_hist_bins}")
-        _check(self.ratio_hist_log_range > 0, "algo.ratio_hist_log_range must be > 0")
-        return self
+    ratio_hist_bins: int = Field(512, ge=2)
+    """Bins (>= 2) of the log-ratio histograms carried in the loss metrics (for ratio quantiles)."""
+    ratio_hist_log_range: PositiveFloat = 2.0
+    """Those histograms cover log r in [-range, range] (> 0; plus under/overflow)."""

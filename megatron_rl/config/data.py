@@ -3,9 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import model_validator
-
-from megatron_rl.config.base import StrictConfig
+from megatron_rl.config.base import NonNegativeInt, PositiveInt, Seed, StrictConfig
 
 
 class DataConfig(StrictConfig):
@@ -19,19 +17,13 @@ class DataConfig(StrictConfig):
     """HF tokenizer directory; None builds the character tokenizer into the run dir."""
     task: str = "addition"
     """Synthetic task used when files are not given (megatron_rl.data.tasks registry)."""
-    task_options: dict[str, int] = {"min_digits": 1, "max_digits": 2}
-    """Options of the synthetic task generator."""
-    num_train_prompts: int = 8000
-    """Generated training prompts (synthetic task only)."""
-    num_eval_prompts: int = 200
-    """Generated held-out prompts (synthetic task only; disjoint from training)."""
+    task_options: dict[str, NonNegativeInt] = {"min_digits": 1, "max_digits": 2}
+    """Options of the synthetic task generator (ints >= 0)."""
+    num_train_prompts: PositiveInt = 8000
+    """Generated training prompts (>= 1; synthetic task only)."""
+    num_eval_prompts: NonNegativeInt = 200
+    """Generated held-out prompts (>= 0; synthetic task only; disjoint from training)."""
     reward: str = "exact_match"
     """Reward function name (megatron_rl.reward registry)."""
-    seed: int = 1234
+    seed: Seed = 1234
     """Seed of data generation and prompt shuffling."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "DataConfig":
-        if self.num_train_prompts < 1 or self.num_eval_prompts < 0:
-            raise ValueError("data.num_train_prompts must be >= 1 and data.num_eval_prompts >= 0")
-        return self

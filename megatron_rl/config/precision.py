@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from megatron_rl.config.base import StrictConfig
+from megatron_rl.config.base import NonNegativeInt, PositiveInt, Seed, StrictConfig
 
 Recipe = Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4", "mxfp4"]
 FP4_RECIPES = ("nvfp4", "mxfp4")
@@ -19,16 +19,16 @@ class PrecisionConfig(StrictConfig):
     """Recipe of the learner's linear layers: none (high precision); FP8 delayed, tensorwise, blockwise, mxfp8; FP4 nvfp4, mxfp4 (mxfp4: CPU emulation only)."""
     fp8_format: Literal["e4m3", "hybrid"] = "hybrid"
     """FP8 recipes: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 output gradients in backward). FP4 recipes ignore it."""
-    first_last_layers_high_precision: int = 0
-    """Keep this many transformer layers at each end of the stack in high precision. Default 0 for every recipe (all layers quantized); NVIDIA's NVFP4 recipe keeps the first and especially the last layers in BF16: set it for deep models (the 2-layer tiny model would have no FP4 layer left)."""
+    first_last_layers_high_precision: NonNegativeInt = 0
+    """Keep this many (>= 0) transformer layers at each end of the stack in high precision. Default 0 for every recipe (all layers quantized); NVIDIA's NVFP4 recipe keeps the first and especially the last layers in BF16: set it for deep models (the 2-layer tiny model would have no FP4 layer left)."""
     fp8_params: bool = False
     """Store learner parameters in FP8 (nvfp4: FP4) (GPU only; TE fp8_model_init / quantized_model_init, megatron fp8_param / fp4_param)."""
-    amax_history_len: int = 1
-    """Delayed scaling: length of the amax history window (megatron default 1)."""
+    amax_history_len: PositiveInt = 1
+    """Delayed scaling: length of the amax history window (>= 1; megatron default 1)."""
     amax_compute_algo: Literal["max", "most_recent"] = "most_recent"
     """Delayed scaling: how the scale's amax is taken from the history."""
-    margin: int = 0
-    """Delayed scaling: scale = fp8_max * 2^-margin / amax."""
+    margin: NonNegativeInt = 0
+    """Delayed scaling: scale = fp8_max * 2^-margin / amax (margin >= 0)."""
     power_of_two_scales: bool = False
     """Blockwise recipe: round scales to powers of two (TE's default on GPU is True; FP32 scales when False)."""
     rollout_quantization: Literal["none", "fp8-blockwise", "fp8-channel"] = "none"
@@ -41,7 +41,7 @@ class PrecisionConfig(StrictConfig):
     """FP4 recipes: apply the 16x16 random-sign Hadamard transform to both wgrad operands along tokens before quantizing (TE NVFP4BlockScaling's default)."""
     fp4_stochastic_rounding: bool = True
     """FP4 recipes: stochastic rounding of the output gradients (forward operands stay round-to-nearest-even), as TE NVFP4BlockScaling."""
-    fp4_seed: int = 0
+    fp4_seed: Seed = 0
     """FP4 recipes: seed of the CPU emulation's stochastic-rounding streams (deterministic and checkpointed; TE draws its own on GPU)."""
 
     @model_validator(mode="after")
@@ -54,12 +54,6 @@ class PrecisionConfig(StrictConfig):
             raise ValueError("precision.fp8_params needs an FP8 recipe (recipe is 'none')")
         if self.fp8_params and self.recipe == "mxfp4":
             raise ValueError("precision.fp8_params is not available with recipe=mxfp4 (megatron-core has no MXFP4 parameters)")
-        if self.fp4_seed < 0:
-            raise ValueError("precision.fp4_seed must be >= 0")
-        if self.margin < 0:
-            raise ValueError("precision.margin must be >= 0")
-        if self.amax_history_len < 1:
-            raise ValueError("precision.amax_history_len must be >= 1")
         return self
 
     @property

@@ -3,24 +3,32 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import model_validator
+from typing import Annotated
 
-from megatron_rl.config.base import StrictConfig
+from pydantic import Field, model_validator
+
+from megatron_rl.config.base import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Seed, StrictConfig
 
 
 class SamplingConfig(StrictConfig):
     """SGLang sampling_params used for training rollouts."""
 
-    temperature: float = 1.0
-    """Sampling temperature (< 1e-6 means greedy)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    top_k: int = -1
-    """Top-k cut (-1 = whole vocabulary)."""
-    max_new_tokens: int = 16
-    """Maximum completion length."""
-    stop_token_ids: list[int] = []
-    """Extra stop tokens (EOS is always a stop)."""
+    temperature: NonNegativeFloat = 1.0
+    """Sampling temperature (>= 0, finite; < 1e-6 means greedy)."""
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k cut: -1 (whole vocabulary) or >= 1."""
+    max_new_tokens: PositiveInt = 16
+    """Maximum completion length (>= 1)."""
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    """Extra stop tokens (ids >= 0; EOS is always a stop)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "SamplingConfig":
+        if self.top_k == 0:
+            raise ValueError("rollout.sampling.top_k must be -1 (whole vocabulary) or >= 1, got 0")
+        return self
 
 
 class RolloutConfig(StrictConfig):
@@ -32,49 +40,49 @@ class RolloutConfig(StrictConfig):
     """Generation endpoint(s) when engine=external: one sglang-router, or the engines themselves (requests are spread over them)."""
     weight_update_urls: list[str] = []
     """Engines that receive weight updates when engine=external (never a router); empty = the router's worker list, or `urls` when those are engines."""
-    num_engines: int = 1
-    """Engines (SGLang servers) to start on this node when engine=embedded or sglang."""
-    engine_tp_size: int = 1
-    """Tensor-parallel GPUs per SGLang engine (--tp-size)."""
-    engine_dp_size: int = 1
-    """Data-parallel replicas inside one SGLang engine (--dp-size); GPUs used = num_engines * engine_tp_size * engine_dp_size."""
-    engine_gpus: list[int] = []
+    num_engines: PositiveInt = 1
+    """Engines (SGLang servers, >= 1) to start on this node when engine=embedded or sglang."""
+    engine_tp_size: PositiveInt = 1
+    """Tensor-parallel GPUs per SGLang engine (--tp-size, >= 1)."""
+    engine_dp_size: PositiveInt = 1
+    """Data-parallel replicas (>= 1) inside one SGLang engine (--dp-size); GPUs used = num_engines * engine_tp_size * engine_dp_size."""
+    engine_gpus: list[Annotated[int, Field(ge=0)]] = []
     """CUDA device indices of this node for the SGLang engines, in order (empty = the GPUs after the learner's local ranks)."""
     sglang_python: str = "python"
     """Python executable of the environment SGLang is installed in (engine=sglang; SGLang pins its own torch)."""
     sglang_args: list[str] = []
     """Extra `sglang.launch_server` flags appended verbatim to every engine's command line."""
-    mem_fraction_static: Optional[float] = None
-    """Fraction of GPU memory SGLang reserves for weights and KV cache (--mem-fraction-static; None = SGLang's default)."""
+    mem_fraction_static: Optional[float] = Field(None, gt=0, lt=1, allow_inf_nan=False)
+    """Fraction of GPU memory, in (0, 1), SGLang reserves for weights and KV cache (--mem-fraction-static; None = SGLang's default)."""
     use_router: bool = False
     """Put the real sglang-router in front of the engines we start."""
     router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "round_robin"
     """sglang-router load-balancing policy."""
     host: str = "127.0.0.1"
     """Bind address of the engines and router we start (loopback; 0.0.0.0 to serve other nodes)."""
-    base_port: int = 0
-    """First port of the engines we start (engine i: base_port + i, router: base_port + num_engines; 0 = free ports)."""
+    base_port: int = Field(0, ge=0, le=65535)
+    """First port of the engines we start (0-65535; engine i: base_port + i, router: base_port + num_engines; 0 = free ports)."""
     restart_dead_engines: bool = True
     """Restart an engine this run started that died, before the next weight sync (it then gets the new weights); external engines are dropped from the weight-sync targets."""
-    n_samples_per_prompt: int = 8
-    """GRPO group size n."""
+    n_samples_per_prompt: PositiveInt = 8
+    """GRPO group size n (>= 1)."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling parameters."""
-    concurrency: int = 8
-    """Maximum in-flight HTTP requests per client."""
-    request_timeout_s: float = 120.0
-    """Timeout of one HTTP request."""
-    max_retries: int = 3
-    """Retries of a failed request (connection errors, 5xx) before the run stops with an error."""
-    retry_backoff_s: float = 0.5
-    """First retry delay; doubles each retry."""
-    startup_timeout_s: float = 120.0
-    """How long to wait for an engine's /health."""
+    concurrency: PositiveInt = 8
+    """Maximum in-flight HTTP requests per client (>= 1)."""
+    request_timeout_s: PositiveFloat = 120.0
+    """Timeout of one HTTP request (seconds, > 0)."""
+    max_retries: NonNegativeInt = 3
+    """Retries (>= 0) of a failed request (connection errors, 5xx) before the run stops with an error."""
+    retry_backoff_s: NonNegativeFloat = 0.5
+    """First retry delay (seconds, >= 0); doubles each retry."""
+    startup_timeout_s: PositiveFloat = 120.0
+    """How long to wait for an engine's /health (seconds, > 0)."""
     weight_sync: Literal["disk", "tensor", "distributed"] = "disk"
     """Weight-sync transport from learner to engines."""
     sync_dir: Optional[str] = None
     """Directory for disk weight sync (default: <run_dir>/weights)."""
-    seed: int = 0
+    seed: Seed = 0
     """Base random seed of the engines (sampling_seed per request derives from it)."""
     api_key: Optional[str] = None
     """Bearer key of the engines (SGLang's --api-key): embedded engines are started with it and every request sends it."""
@@ -92,9 +100,6 @@ class RolloutConfig(StrictConfig):
             for u in getattr(self, name):
                 if not u.startswith(("http://", "https://")):
                     raise ValueError(f"rollout.{name}: {u!r} is not an http(s) URL")
-        for name in ("engine_tp_size", "engine_dp_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name} must be >= 1")
         if self.engine == "embedded" and (self.engine_tp_size, self.engine_dp_size) != (1, 1):
             raise ValueError("rollout.engine_tp_size / engine_dp_size apply to engine=sglang (embedded engines are single CPU processes)")
         if self.engine == "embedded" and (self.mem_fraction_static is not None or self.sglang_args):
@@ -109,14 +114,8 @@ class RolloutConfig(StrictConfig):
         if self.use_router and self.router_policy == "power_of_two" and self.engine != "external" and self.num_engines < 2:
             raise ValueError("rollout.router_policy=power_of_two needs rollout.num_engines >= 2 (sglang-router refuses "
                              "to start it with one worker)")
-        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError("rollout.mem_fraction_static must be in (0, 1)")
-        if self.base_port < 0 or self.base_port + self.num_engines > 65535:
+        if self.base_port + self.num_engines > 65535:
             raise ValueError("rollout.base_port must be 0 (free ports) or leave room for num_engines + 1 ports below 65536")
-        if self.n_samples_per_prompt < 1:
-            raise ValueError("rollout.n_samples_per_prompt must be >= 1")
-        if self.num_engines < 1:
-            raise ValueError("rollout.num_engines must be >= 1")
         if self.api_key is not None and (not self.api_key or any(c.isspace() or not c.isprintable() for c in self.api_key)):
             raise ValueError("rollout.api_key must be a non-empty string without whitespace (it is sent in an HTTP header)")
         return self

@@ -9,11 +9,12 @@ Unknown keys, wrong types and invalid values raise ConfigError naming the dotted
 """
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import yaml
-from pydantic import ValidationError, model_validator
+from pydantic import BaseModel, ValidationError, model_validator
 
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.config.base import StrictConfig
@@ -57,24 +58,100 @@ class RunConfig(StrictConfig):
     """Metrics outputs."""
 
     @model_validator(mode="after")
-    def _calibration_needs_off_policy_update(self) -> "RunConfig":
-        # the first update of a step is on-policy (ratio 1 in high precision): nothing to calibrate on
-        updates = self.train.num_minibatches * self.train.ppo_epochs
-        if self.algo.calibration.enabled and updates < 2:
-            raise ValueError(
-                f"algo.calibration.enabled needs an off-policy update: train.num_minibatches * train.ppo_epochs "
-                f"= {self.train.num_minibatches} * {self.train.ppo_epochs} = {updates}, must be >= 2")
+    def _check_across_sections(self) -> "RunConfig":
+        for message in config_errors(self, dp_size=1):
+            raise ValueError(message)
         return self
+
+
+def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True) -> list[str]:
+    """Cross-section problems of `cfg` for a data-parallel size, each naming its dotted fields ([] when usable).
+
+    Load time checks DP = 1 (the world size is not known yet); the run checks again with the real
+    DP size right after the process groups exist, before any data or model work (`sft=False` when
+    the supervised warm start will not run, so its batch geometry does not matter).
+    """
+    t, s, p = cfg.train, cfg.sft, cfg.parallel
+    out = []
+    rows = t.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    unit = dp_size * t.num_minibatches * t.micro_batch_size
+    if rows % unit:
+        out.append(f"train.prompts_per_step * rollout.n_samples_per_prompt = {rows} samples must be divisible by "
+                   f"data-parallel size ({dp_size}) * train.num_minibatches ({t.num_minibatches}) * "
+                   f"train.micro_batch_size ({t.micro_batch_size}) = {unit}")
+    elif p.virtual_pipeline_model_parallel_size and rows // unit < p.pipeline_model_parallel_size:
+        out.append(f"{rows // unit} micro-batches per mini-batch and data-parallel rank (train.prompts_per_step * "
+                   f"rollout.n_samples_per_prompt / (DP {dp_size} * train.num_minibatches * train.micro_batch_size)) "
+                   f"is fewer than parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size}, which the "
+                   "interleaved schedule (parallel.virtual_pipeline_model_parallel_size) needs")
+    if sft and s.global_batch_size % (dp_size * s.micro_batch_size):
+        out.append(f"sft.global_batch_size ({s.global_batch_size}) must be divisible by data-parallel size ({dp_size}) "
+                   f"* sft.micro_batch_size ({s.micro_batch_size})")
+    lmax = cfg.algo.dapo.max_response_length or cfg.rollout.sampling.max_new_tokens
+    if cfg.algo.dapo.overlong_buffer and cfg.algo.dapo.overlong_buffer >= lmax:
+        out.append(f"algo.dapo.overlong_buffer ({cfg.algo.dapo.overlong_buffer}) must be smaller than "
+                   f"algo.dapo.max_response_length or rollout.sampling.max_new_tokens ({lmax})")
+    if cfg.algo.dapo.dynamic_sampling and cfg.rollout.n_samples_per_prompt < 2:
+        out.append("algo.dapo.dynamic_sampling keeps groups whose rewards differ, which needs rollout.n_samples_per_prompt >= 2")
+    updates = t.num_minibatches * t.ppo_epochs
+    if cfg.algo.calibration.enabled and updates < 2:
+        # the first update of a step is on-policy (ratio 1 in high precision): nothing to calibrate on
+        out.append(f"algo.calibration.enabled needs an off-policy update: train.num_minibatches * train.ppo_epochs "
+                   f"= {t.num_minibatches} * {t.ppo_epochs} = {updates}, must be >= 2")
+    if t.health.max_kl_ref is not None and cfg.algo.kl.coef == 0:
+        out.append("train.health.max_kl_ref needs the reference policy: set algo.kl.coef > 0 or unset train.health.max_kl_ref")
+    return out
+
+
+def check_config_for_world(cfg: RunConfig, dp_size: int, sft: bool = True) -> None:
+    """Raise ConfigError (naming the fields) when `cfg` cannot run with `dp_size` data-parallel ranks (and the warm start when `sft`)."""
+    errors = config_errors(cfg, dp_size, sft)
+    if errors:
+        raise ConfigError(f"invalid config for data-parallel size {dp_size}: " + "; ".join(errors))
+
+
+def dotted_field_paths(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of `model`: sections and leaf fields (e.g. 'algo', 'algo.policy_loss.eps_low')."""
+    out = []
+    for name, field in model.model_fields.items():
+        out.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.extend(dotted_field_paths(ann, f"{prefix}{name}."))
+    return out
+
+
+def suggest_keys(unknown: str, paths: Optional[list[str]] = None, n: int = 3) -> list[str]:
+    """The valid dotted keys nearest to `unknown` (at most `n`, best first, near-ties of the best only): by the
+    whole path, or by its last component alone (so a right name in the wrong section is found)."""
+    paths = dotted_field_paths() if paths is None else paths
+    last = unknown.rsplit(".", 1)[-1]
+
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    scored = []
+    for path in paths:
+        whole, tail = ratio(unknown, path), ratio(last, path.rsplit(".", 1)[-1])
+        # the last component decides, the whole path breaks ties between equal leaf names in different sections
+        score = max(whole, 0.9 * tail + 0.1 * whole)
+        if score >= 0.6:
+            scored.append((score, path))
+    scored.sort(key=lambda sp: (-sp[0], sp[1]))
+    # only near-ties of the best: a list of loosely similar names would bury the one that was meant
+    return [path for score, path in scored[:n] if score >= scored[0][0] - 0.1]
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        msg = err["msg"]
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and not isinstance(err["input"], dict) else ""))
+            near = suggest_keys(loc)
+            msg = "unknown key" + (f" (did you mean {' or '.join(near)}?)" if near else "")
+        got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and not isinstance(err["input"], dict) else ""
+        lines.append((f"  {loc}: {msg}" if loc else f"  {msg}") + got)
     return f"invalid config ({source}):\n" + "\n".join(lines)
 
 

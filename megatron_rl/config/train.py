@@ -3,52 +3,73 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import model_validator
+from pydantic import Field
 
-from megatron_rl.config.base import StrictConfig
+from megatron_rl.config.base import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Seed, StrictConfig
+
+
+class HealthConfig(StrictConfig):
+    """Training-health guard (see megatron_rl/phases/health.py).
+
+    An optimizer update whose loss or gradient norm is non-finite on any rank is skipped on every
+    rank. A step with a skipped update, or whose updated policy gives non-finite log-probs, is
+    unhealthy: its weights are neither synced to the engines nor checkpointed. The run stops with
+    a one-line error after `max_consecutive_skips` unhealthy steps in a row, or when a divergence
+    signal below trips; the newest checkpoint is then the last one whose step passed every check.
+    """
+
+    max_consecutive_skips: PositiveInt = 3
+    """Stop the run after this many consecutive unhealthy steps (>= 1)."""
+    check_updated_policy: bool = True
+    """After a step's updates, one no-grad forward of the new policy on one micro-batch per DP rank: non-finite log-probs make the step unhealthy, and its entropy is judged before the weights reach the engines."""
+    max_entropy_frac: Optional[float] = Field(0.9, gt=0, le=1, allow_inf_nan=False)
+    """Stop when the policy's mean token entropy exceeds this fraction (in (0, 1]) of ln(vocab size), the entropy of a uniform policy (a collapsed policy sits at 1.0; healthy runs stay far below); None disables."""
+    entropy_jump: Optional[float] = Field(None, gt=1, allow_inf_nan=False)
+    """Stop when the step's entropy exceeds this multiple (> 1) of the mean entropy of the previous `window` healthy steps; None disables."""
+    max_kl_ref: Optional[PositiveFloat] = None
+    """Stop when the mean per-token KL to the reference policy (metric kl_ref, > 0) exceeds this; needs algo.kl.coef > 0; None disables."""
+    reward_drop: Optional[PositiveFloat] = None
+    """Stop when the mean train reward of the last `window` steps falls more than this (> 0) below the best `window`-step mean so far; None disables."""
+    window: PositiveInt = 5
+    """Steps (>= 1) averaged by entropy_jump and reward_drop."""
 
 
 class TrainConfig(StrictConfig):
     """How many RL steps, and how each step's rollouts are split for the learner."""
 
-    steps: int = 50
-    """Number of RL steps (rollout -> train -> sync)."""
-    prompts_per_step: int = 16
-    """Prompts per RL step (each yields rollout.n_samples_per_prompt samples)."""
-    num_minibatches: int = 1
-    """Optimizer steps per RL step; the step's samples are split into this many mini-batches."""
-    ppo_epochs: int = 1
-    """Passes over the step's samples."""
-    micro_batch_size: int = 16
-    """Sequences per forward/backward micro-batch on each data-parallel rank."""
-    eval_every: int = 0
-    """Greedy held-out evaluation every N steps (0: only before and after the run)."""
-    eval_max_prompts: int = 200
-    """Held-out prompts used per evaluation."""
-    seed: int = 1
+    steps: PositiveInt = 50
+    """Number of RL steps (>= 1; rollout -> train -> sync)."""
+    prompts_per_step: PositiveInt = 16
+    """Prompts per RL step (>= 1; each yields rollout.n_samples_per_prompt samples)."""
+    num_minibatches: PositiveInt = 1
+    """Optimizer steps per RL step (>= 1); the step's samples are split into this many mini-batches."""
+    ppo_epochs: PositiveInt = 1
+    """Passes over the step's samples (>= 1)."""
+    micro_batch_size: PositiveInt = 16
+    """Sequences per forward/backward micro-batch on each data-parallel rank (>= 1)."""
+    eval_every: NonNegativeInt = 0
+    """Greedy held-out evaluation every N steps (>= 0; 0: only before and after the run)."""
+    eval_max_prompts: NonNegativeInt = 200
+    """Held-out prompts used per evaluation (>= 0)."""
+    seed: Seed = 1
     """Seed of model init, shuffling and sampling."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "TrainConfig":
-        for name in ("steps", "prompts_per_step", "num_minibatches", "ppo_epochs", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1")
-        return self
+    health: HealthConfig = HealthConfig()
+    """Training-health guard: skipped non-finite updates, stop rules."""
 
 
 class SftConfig(StrictConfig):
     """Supervised warm start on the task (`megatron-rl sft`)."""
 
-    steps: int = 750
-    """Optimizer steps."""
-    global_batch_size: int = 64
-    """Sequences per optimizer step (all data-parallel ranks together)."""
-    micro_batch_size: int = 64
-    """Sequences per micro-batch on each data-parallel rank."""
-    lr: float = 3e-3
-    """Learning rate (constant)."""
-    clip_grad: float = 0.0
-    """Global gradient-norm clip of the warm start (0 disables; clipping at 1.0 stalls the tiny model's SFT)."""
+    steps: PositiveInt = 750
+    """Optimizer steps (>= 1)."""
+    global_batch_size: PositiveInt = 64
+    """Sequences per optimizer step (>= 1; all data-parallel ranks together; a multiple of DP size * micro_batch_size)."""
+    micro_batch_size: PositiveInt = 64
+    """Sequences per micro-batch on each data-parallel rank (>= 1)."""
+    lr: PositiveFloat = 3e-3
+    """Learning rate (constant, > 0)."""
+    clip_grad: NonNegativeFloat = 0.0
+    """Global gradient-norm clip of the warm start (>= 0; 0 disables; clipping at 1.0 stalls the tiny model's SFT)."""
     output_dir: Optional[str] = None
     """Where the SFT checkpoint and HF export go (default <run_dir>/sft)."""
     high_precision: bool = True
@@ -58,10 +79,10 @@ class SftConfig(StrictConfig):
 class CheckpointConfig(StrictConfig):
     """Distributed checkpoints of the learner and the RL state."""
 
-    save_every: int = 0
-    """Save every N RL steps (0: only at the end)."""
-    keep_last: int = 2
-    """How many checkpoints to keep."""
+    save_every: NonNegativeInt = 0
+    """Save every N RL steps (>= 0; 0: only at the end)."""
+    keep_last: PositiveInt = 2
+    """How many checkpoints to keep (>= 1)."""
     resume: bool = True
     """Resume from the newest complete checkpoint in <run_dir>/checkpoints when one exists."""
 
@@ -74,14 +95,10 @@ class TrackingConfig(StrictConfig):
     tensorboard: bool = False
     """Also write TensorBoard scalars to <run_dir>/tb."""
     progress_bar: bool = True
-    """Show a progress bar on the controller."""
-    log_samples: int = 2
-    """Completions printed to the sample log per step."""
+    """Show progress on the controller: a bar on a terminal, plain periodic lines in logs."""
+    plots: bool = True
+    """Draw <run_dir>/plots/*.png (reward, entropy, clip fractions, L/H) at the end of the run."""
+    log_samples: NonNegativeInt = 2
+    """Completions printed to the sample log per step (>= 0)."""
     dump_ratios: bool = False
     """On calibration steps write <run_dir>/calibration/step_N.rankR.npz: the tokens of the calibration solve (FP8 and high-precision ratios, advantages, mini-batch)."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "TrackingConfig":
-        if self.log_samples < 0:
-            raise ValueError("tracking.log_samples must be >= 0")
-        return self

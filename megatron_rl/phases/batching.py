@@ -47,21 +47,16 @@ def build_train_batch(samples: Sequence[Sample], advantages: torch.Tensor, pad_i
                       rollout_logprobs=rollout_lp, sample_index=torch.arange(b))  # device-ok: host-side batch
 
 
-def check_divisible(num_rows: int, dp_size: int, num_minibatches: int, micro_batch_size: int) -> None:
-    """Raise a clear error when the step's rows cannot split into mini-batches, DP shards and micro-batches."""
-    unit = dp_size * num_minibatches * micro_batch_size
-    if num_rows % unit != 0:
-        raise ValueError(
-            f"train.prompts_per_step * rollout.n_samples_per_prompt = {num_rows} samples must be divisible by "
-            f"data-parallel size ({dp_size}) * train.num_minibatches ({num_minibatches}) * train.micro_batch_size ({micro_batch_size}) = {unit}"
-        )
-
-
 def minibatches(batch: TrainBatch, num_minibatches: int, seed: int) -> list[TrainBatch]:
     """Shuffle rows (same permutation on every rank) and cut them into equal mini-batches."""
     perm = torch.randperm(batch.batch_size, generator=torch.Generator().manual_seed(seed))  # device-ok: seeded CPU draw, same on every rank
     size = batch.batch_size // num_minibatches
     return [batch.select(perm[k * size:(k + 1) * size]) for k in range(num_minibatches)]
+
+
+def agg_max_len(cfg) -> int:
+    """The constant normaliser of the seq-mean-token-sum-norm (Dr.GRPO) aggregation: the configured one or the generation budget."""
+    return cfg.algo.policy_loss.max_response_length or cfg.rollout.sampling.max_new_tokens
 
 
 def with_token_weights(batch: TrainBatch, mode: str, max_response_length: int | None = None) -> TrainBatch:

@@ -4,11 +4,43 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import torch
+
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.data.jsonl import PromptRow
 from megatron_rl.reward import RewardFn
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.types import RolloutBatch, Sample
+
+
+class PromptStream:
+    """The training prompts in a per-epoch seeded shuffle, read from a cursor (saved in checkpoints, so resume is exact).
+
+    Without dynamic sampling step k reads prompts [k * per_step, (k + 1) * per_step); DAPO's extra
+    generation rounds read further, as DAPO's dataloader does.
+    """
+
+    def __init__(self, rows: Sequence[PromptRow], seed: int, cursor: int = 0) -> None:
+        """Stream `rows` shuffled with `seed + epoch`, starting at prompt number `cursor`."""
+        self.rows, self.seed, self.cursor = rows, seed, cursor
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def take(self, count: int) -> list[PromptRow]:
+        """The next `count` prompts (the cursor advances)."""
+        out = []
+        for k in range(self.cursor, self.cursor + count):
+            epoch, offset = divmod(k, len(self.rows))
+            if epoch not in self._perms:
+                self._perms = {epoch: torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed + epoch))}  # device-ok: seeded host draw
+            out.append(self.rows[int(self._perms[epoch][offset])])
+        self.cursor += count
+        return out
+
+
+def round_seed(seed: int, step: int, generation_round: int) -> int:
+    """Sampling seed of a step's generation round (round 0 keeps the step's historical seed; DAPO refills draw new ones)."""
+    base = int(seed) * 1_000_003 + step
+    return base if generation_round == 0 else (base + generation_round * 1_000_000_007) % (2**62)
 
 
 def encode_prompts(tokenizer, rows: Sequence[PromptRow]) -> list[list[int]]:

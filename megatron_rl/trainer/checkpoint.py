@@ -267,6 +267,10 @@ def _write_shards(learner: Any, tmp: Path) -> bool:
     """Every rank: save model (+ optimizer) + scheduler with dist_checkpointing and its RNG file; True when optimizer state was saved."""
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.child_reaper import ensure_reaper
+
+    # megatron's writer starts a spawn Manager (+ resource tracker) that would outlive a killed trainer
+    ensure_reaper()
     distopt = bool(learner.parallel_cfg.use_distributed_optimizer)
     metadata = _sharding_metadata(distopt)
     sharded = _model_sharded_state_dict(learner, metadata)

@@ -261,15 +261,51 @@ class Learner:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(batch, micro_batch_size, builder, forward_only=False)
-        # Advance the schedule first so optimizer step k (1-based) uses lr(k): warm-up never spends a step at lr 0.
-        self.scheduler.step(increment=1)
-        success, grad_norm, _ = self.optimizer.step()
-        self.step_count += 1
+        grad_norm = None
+        success = self._all_ranks_finite(outputs)
+        if success:
+            # Advance the schedule first so optimizer step k (1-based) uses lr(k): warm-up never spends a step at lr 0.
+            self.scheduler.step(increment=1)
+            success, grad_norm, _ = self.optimizer.step()
+            self.step_count += 1
         metrics = self._reduce_metrics(outputs)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = 0.0 if success else 1.0
         return metrics
+
+    def _all_ranks_finite(self, outputs: list[dict[str, torch.Tensor]]) -> bool:
+        """True when the loss and the gradient norm are finite on every rank (collective over all learner ranks).
+
+        A non-finite value anywhere skips the update everywhere, for FP32 as for mixed precision
+        (megatron's optimizer only checks for inf/NaN when a loss scaler is on), and before the LR
+        schedule advances, as megatron's training loop does on a skipped iteration. The sum of squared
+        gradients overflows to inf exactly where megatron's FP32 gradient-norm computation would.
+        """
+        local = torch.zeros((), dtype=torch.float32)
+        for o in outputs:
+            local = local + o["loss"].detach().float().cpu()
+        for grad in self._local_grads():
+            local = local + torch.linalg.vector_norm(grad.float()).square().cpu()
+        flag = torch.tensor([0.0 if torch.isfinite(local) else 1.0], device=self._comm_device())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return float(flag) == 0.0
+
+    def _local_grads(self) -> Iterator[torch.Tensor]:
+        """This rank's gradients after the backward pass (megatron DDP's grad buffers, or .main_grad / .grad per parameter)."""
+        for chunk in self.model:
+            # megatron's DDP keeps its grad buffers in lists (shadowing nn.Module.buffers)
+            buffers = [b for name in ("buffers", "expert_parallel_buffers")
+                       for b in (getattr(chunk, name, None) if isinstance(getattr(chunk, name, None), list) else [])]
+            if buffers:
+                yield from (b.grad_data for b in buffers)
+                continue
+            for p in chunk.parameters():
+                g = getattr(p, "main_grad", None)
+                g = p.grad if g is None else g
+                if g is not None:
+                    yield g
 
     def _comm_device(self) -> torch.device:
         """Device of tensors handed to collectives (cuda under NCCL)."""

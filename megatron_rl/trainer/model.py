@@ -67,6 +67,8 @@ def build_transformer_config(
         gradient_accumulation_fusion=False,
         batch_p2p_comm=on_gpu or vpp is None,
         deallocate_pipeline_outputs=on_gpu,
+        # megatron's default "full" is deprecated (with a warning) in favour of [], which means the same: the whole layer
+        cuda_graph_scope=[],
     )
     if on_gpu:
         # FP8 on GPU is Transformer Engine's, configured through TransformerConfig (precision/te.py).

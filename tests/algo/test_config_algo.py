@@ -12,6 +12,7 @@ from megatron_rl.algo.calibration import STATS_BACKENDS, UPPER_RULES
 from megatron_rl.algo.kl import KL_ESTIMATORS
 from megatron_rl.algo.losses import POLICY_LOSSES
 from megatron_rl.algo.rollout_correction import ROLLOUT_CORRECTIONS
+from megatron_rl.config import RunConfig
 from megatron_rl.config.algo import (
     AdvantageConfig,
     AlgoConfig,
@@ -43,7 +44,8 @@ def test_config_choices_are_registered(model, field, registry):
     "data,needle",
     [
         ({"policy_loss": {"eps_low": 1.5}}, "algo.policy_loss.eps_low"),
-        ({"policy_loss": {"agg_mode": "seq-mean-token-sum-norm"}}, "algo.policy_loss.max_response_length"),
+        ({"policy_loss": {"agg_mode": "seq-mean-token-sum-norm", "max_response_length": 0}}, "algo.policy_loss.max_response_length"),
+        ({"dapo": {"max_gen_batches": -1}}, "algo.dapo.max_gen_batches"),
         ({"policy_loss": {"dual_clip_c": 1.0}}, "algo.policy_loss.dual_clip_c"),
         ({"calibration": {"lower_min": 0.9, "lower_max": 0.5}}, "algo.calibration.lower_min"),
         ({"calibration": {"calibrate_every": 0}}, "algo.calibration.calibrate_every"),
@@ -54,7 +56,7 @@ def test_config_choices_are_registered(model, field, registry):
 )
 def test_errors_name_the_field(data, needle):
     with pytest.raises(ValidationError, match=needle.replace(".", r"\.")):
-        AlgoConfig.model_validate(data)
+        RunConfig.model_validate({"algo": data})
 
 
 def test_unknown_key_rejected_and_every_field_documented():
