@@ -10,11 +10,13 @@ import math
 
 import torch
 
+from megatron_rl.algo.calibration_plan import CalibrationPlan
 from megatron_rl.algo.metrics import add_sums, finalize_metrics
 from megatron_rl.config import RunConfig
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import broadcast_from_controller, reduce_loss_sums
 from megatron_rl.phases import batching, health, logprobs, reward, rollout, weights
+from megatron_rl.phases.calibrate import StepCalibration
 from megatron_rl.phases.loss import RLLoss, with_sequence_rollout_weights
 from megatron_rl.runtime import RunSession, checkpoint_root, finished_run, open_session, save
 from megatron_rl.tracking import MetricsWriter, Timers
@@ -51,34 +53,28 @@ def controller_rollout(session: RunSession, step: int, timers: Timers):
 
 
 def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dict:
-    """Old log-probs (+ shadow), then PPO epochs over mini-batches; returns finalized metrics."""
-    cfg, learner, clipper = session.cfg, session.learner, session.clipper
-    calibrating = clipper is not None and clipper.is_calibration_step(step) and cfg.algo.calibration.target_source == "shadow"
+    """Old log-probs (+ shadow rows), PPO epochs over mini-batches at the plan's bounds, the step's calibration; finalized metrics."""
+    cfg, learner, mbs = session.cfg, session.learner, session.cfg.train.micro_batch_size
+    plan = CalibrationPlan.build(step, cfg.algo.calibration, cfg.train, batch.batch_size)
     with timers("logprobs"):
-        batch, metrics = logprobs.old_logprobs(learner, batch, cfg.train.micro_batch_size, shadow=calibrating,
-                                               reference=session.reference)
+        batch, metrics = logprobs.old_logprobs(learner, batch, mbs, plan=plan, reference=session.reference)
         batch = with_sequence_rollout_weights(batch, cfg.algo)
-    sums, learner_metrics, micro_batches = None, {}, 0
+    calib = StepCalibration(session.clipper, plan, cfg, session.run_dir)
+    sums, learner_metrics = None, {}
     with timers("train"):
-        if clipper is not None:
-            clipper.begin_step(step)
         for epoch in range(cfg.train.ppo_epochs):
             for k, mb in enumerate(batching.minibatches(batch, cfg.train.num_minibatches, seed=cfg.train.seed * 7919 + step * 31 + epoch)):
                 mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode, batching.agg_max_len(cfg)), state.dp_rank(), state.dp_size())
-                on_policy = epoch == 0 and k == 0
-                if calibrating and not on_policy:
-                    mb = mb.with_fields(logprobs_hp=logprobs.current_logprobs_hp(learner, mb, cfg.train.micro_batch_size))
-                loss_fn = RLLoss(cfg.algo, None if on_policy else clipper, step, first_micro_batch=micro_batches,
-                                 bounds=clipper.bounds() if clipper is not None and on_policy else None)
-                out = learner.train_step(mb, loss_fn, cfg.train.micro_batch_size)
-                micro_batches += mb.batch_size // cfg.train.micro_batch_size
+                mb, bounds, tap = calib.before_update(learner, mb, epoch, k)
+                loss_fn = RLLoss(cfg.algo, bounds, tap)
+                out = learner.train_step(mb, loss_fn, mbs)
                 sums = add_sums(sums, loss_fn.sums or {})
                 learner_metrics = add_sums(learner_metrics, {k: _t(v) for k, v in out.items()})
+    with timers("calibrate"):
+        metrics.update(calib.finish())
     n_updates = cfg.train.ppo_epochs * cfg.train.num_minibatches
     metrics.update(finalize_metrics(reduce_loss_sums(sums), cfg.algo.ratio_hist_log_range))
     metrics.update({f"learner/{k}": float(v) / n_updates for k, v in learner_metrics.items()})
-    if clipper is not None:
-        metrics.update(clipper.metrics())
     return metrics
 
 

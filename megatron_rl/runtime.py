@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_rl.algo.clipper import CalibratedClipper
+from megatron_rl.algo.clipper import CalibratedClipper, make_clipper as clipper_for
 from megatron_rl.config import RunConfig, dump_config
 from megatron_rl.config.run import check_config_for_world
 from megatron_rl.data.jsonl import PromptRow
@@ -146,17 +146,8 @@ def load_datasets(cfg: RunConfig, run_dir: Path):
 
 
 def make_clipper(cfg: RunConfig) -> Optional[CalibratedClipper]:
-    """The calibrated clipper when algo.calibration.enabled."""
-    if not cfg.algo.calibration.enabled:
-        return None
-    if cfg.train.num_minibatches * cfg.train.ppo_epochs == 1:
-        import warnings
-
-        warnings.warn("algo.calibration.enabled with one on-policy update per step: the first mini-batch never "
-                      "calibrates (its ratios are 1 up to FP8 noise), so the bounds stay at 1 -/+ eps; "
-                      "use train.num_minibatches > 1 or train.ppo_epochs > 1", stacklevel=2)
-    p = cfg.algo.policy_loss
-    return CalibratedClipper(cfg.algo.calibration, eps_low=p.eps_low, eps_high=p.eps_high)
+    """The calibrated clipper when algo.calibration.enabled (RunConfig has checked there is an off-policy update to calibrate on)."""
+    return clipper_for(cfg.algo)
 
 
 def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
@@ -335,6 +326,7 @@ def save(session: RunSession, step: int, extra: dict) -> None:
     """Checkpoint model, optimizer and RL state after `step`."""
     from megatron_rl.trainer.checkpoint import save_checkpoint
 
+    # the clipper's state is the last pipeline stage's: StepCalibration.finish copies it to every stage each step
     rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None,
                 "prompt_cursor": session.prompts.cursor, "health": session.health.state_dict(),
                 "wall_s": session.wall_time(), "sessions": session.sessions(), **extra}

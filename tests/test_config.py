@@ -23,7 +23,7 @@ def test_every_example_config_loads(path):
 
 def test_base_chain_and_overrides(tmp_path):
     base = tmp_path / "base.yaml"
-    base.write_text("train: {steps: 7, prompts_per_step: 4}\nalgo: {policy_loss: {eps_high: 0.28}}\n")
+    base.write_text("train: {steps: 7, prompts_per_step: 4, num_minibatches: 2}\nalgo: {policy_loss: {eps_high: 0.28}}\n")
     child = tmp_path / "child.yaml"
     child.write_text("base: base.yaml\ntrain: {steps: 9}\n")
     cfg = load_config(child, ["algo.calibration.enabled=true", "rollout.sampling.max_new_tokens=3"])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from calibration_spec import check_run_dumps
 from rl_runs import CONFIG, cli_env, tiny_overrides, train, warm_start
 
 from megatron_rl.data.tokenizer import build_char_tokenizer
@@ -38,7 +39,7 @@ def _finite(row: dict, key: str) -> bool:
 @pytest.mark.slow
 def test_two_step_fp8_calibrated_run(warm, tmp_path):
     run_dir = tmp_path / "run"
-    rows = train(run_dir, tiny_overrides(warm, "train.steps=2"))
+    rows = train(run_dir, tiny_overrides(warm, "train.steps=2", "tracking.dump_ratios=true"))
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         for key in ALWAYS + NEEDS_NEG + NEEDS_BOTH_SIGNS + SHADOW_BY_SIGN:
@@ -65,6 +66,11 @@ def test_two_step_fp8_calibrated_run(warm, tmp_path):
                 qs = [r[f"ratio_{side}_{q}"] for q in QUANTILES]
                 assert qs == sorted(qs)
     assert any(r["groups/no_spread_frac"] < 1.0 for r in rows), "no step had reward spread: the test would prove little"
+    # every step calibrates (calibrate_every=1): its unsmoothed solution is logged, and an independent
+    # implementation of the spec recomputes it from the dumped tokens (FP8 learner, allgather backend)
+    assert all("calib/solve_lower" in r and "calib/solve_upper_raw" in r for r in rows)
+    checked = check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2)
+    assert checked, "no dumped step had tokens of both signs"
     summary = (run_dir / "summary.txt").read_text()
     assert "calibrated L / H (final)" in summary and "steps" in summary
     plots = {p.name for p in (run_dir / "plots").glob("*.png")}

@@ -3,11 +3,13 @@ import pytest
 import torch
 
 from megatron_rl.algo.calibration import calibrate_bounds, reference_targets
+from megatron_rl.algo.calibration_plan import CalibrationPlan
 from megatron_rl.algo.clipper import CalibratedClipper
 from megatron_rl.algo.objective import policy_objective
 from megatron_rl.config.algo import AlgoConfig, CalibrationConfig
 from megatron_rl.phases import batching
-from megatron_rl.phases.loss import RLLoss
+from megatron_rl.config.train import TrainConfig
+from megatron_rl.phases.loss import CalibrationTap, RLLoss
 from megatron_rl.types import Sample
 
 
@@ -53,7 +55,8 @@ class _Ctx:
     micro_batch_index = 0
 
 
-def test_rl_loss_uses_the_calibrated_bounds():
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_rl_loss_clips_at_its_bounds_and_taps_the_plans_tokens(fraction):
     torch.manual_seed(0)
     samples = [_sample([1, 2], [3, 4, 5, 6], gid=i // 4) for i in range(8)]
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.2, -0.2])
@@ -63,21 +66,31 @@ def test_rl_loss_uses_the_calibrated_bounds():
     cur_hp = old_hp + 0.3 * torch.randn_like(old)
     batch = batch.with_fields(old_logprobs=old, old_logprobs_hp=old_hp, logprobs_hp=cur_hp)
     logprobs = (old + 0.3 * torch.randn_like(old)).requires_grad_()
-    algo = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1, smoothing=0.0))
+    algo = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1, smoothing=0.0, shadow_fraction=fraction))
+    plan = CalibrationPlan.build(0, algo.calibration, TrainConfig(num_minibatches=2), batch_size=8)
     clipper = CalibratedClipper(algo.calibration, eps_low=0.2, eps_high=0.2)
-    clipper.begin_step(0)
-    loss_fn = RLLoss(algo, clipper, step=0)
+    stats = clipper.new_stats(reference=True, record=True)
+    bounds = (torch.tensor(0.7), torch.tensor(1.3))
+    loss_fn = RLLoss(algo, bounds, CalibrationTap(plan, stats, update=1))
     loss, _ = loss_fn(logprobs, torch.zeros_like(old), batch, _Ctx())
 
-    # Independent reference: targets from the shadow ratios, bounds from the FP8 ratios, then the objective.
-    mask = batch.loss_mask > 0
+    ref, _ = policy_objective(logprobs, old, batch.advantages, batch.token_weight, batch.loss_mask, bounds,
+                              rollout_logprobs=batch.rollout_logprobs, entropy=torch.zeros_like(old), cfg=algo)
+    torch.testing.assert_close(loss, ref)
+    assert "hp/clipfrac_lower_neg/num" in loss_fn.sums and "clipfrac_lower_neg/num" in loss_fn.sums
+    # the tap holds exactly the valid tokens of the shadow rows, with the ratios the objective clips
+    rows = torch.tensor([i in plan.shadow_rows for i in range(8)])
+    mask = (batch.loss_mask > 0) & rows[:, None]
+    assert (len(plan.shadow_rows) == 8) == (fraction == 1.0)
+    dumped = stats.dump_arrays()
+    assert torch.equal(torch.from_numpy(dumped["ratio"]), torch.exp((logprobs.detach() - old).clamp(-20, 20))[mask].double())
+    assert torch.equal(torch.from_numpy(dumped["ratio_hp"]), torch.exp(cur_hp - old_hp)[mask].double())
+    assert dumped["minibatch"].tolist() == [1] * int(mask.sum())
+    # and the solve over it is the one-shot solve over those tokens
+    sol = clipper.solve(stats)
     targets = reference_targets(torch.exp(cur_hp - old_hp)[mask], batch.advantages[mask], eps_low=0.2, eps_high=0.2)
     lower, upper = calibrate_bounds(torch.exp(logprobs.detach() - old)[mask], batch.advantages[mask], targets,
                                     eps_low=0.2, eps_high=0.2, lower_min=algo.calibration.lower_min,
                                     lower_max=algo.calibration.lower_max, upper_min=algo.calibration.upper_min,
-                                    upper_max=algo.calibration.upper_max)
-    ref, _ = policy_objective(logprobs, old, batch.advantages, batch.token_weight, batch.loss_mask, (lower, upper),
-                              rollout_logprobs=batch.rollout_logprobs, entropy=torch.zeros_like(old), cfg=algo)
-    torch.testing.assert_close(loss, ref)
-    assert float(clipper.lower) == pytest.approx(float(lower)) and float(clipper.upper) == pytest.approx(float(upper))
-    assert "hp/clipfrac_lower_neg/num" in loss_fn.sums and "clipfrac_lower_neg/num" in loss_fn.sums
+                                    upper_max=algo.calibration.upper_max, relax_only=True)
+    assert (sol.lower, sol.upper) == (float(lower), float(upper))

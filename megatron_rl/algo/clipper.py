@@ -1,38 +1,41 @@
-"""`CalibratedClipper`: the stateful side of Calibrated Clipping for a training run.
+"""`CalibratedClipper`: the state of Calibrated Clipping for a training run, and its one `solve`.
 
-It holds the targets (alpha, rho), the current bounds (L, H) with EMA smoothing, and decides
-when to calibrate (`calibrate_every`, `shadow_fraction`) and when to re-solve
-(`bounds_update`). Every decision that leads to a collective depends only on (step,
-micro-batch index, config), so all ranks of the group take the same branch.
+It holds the targets (alpha, rho), the held bounds (L, H) with their EMA, the last solution
+(for the metrics) and the subsampling RNG. It never decides *when* anything happens: the
+per-step `CalibrationPlan` (megatron_rl/algo/calibration_plan.py) does, and the callers hand
+the clipper a `RatioStats` of the pooled token set when the plan says a solve is due:
 
-Use per micro-batch:  lower, upper = clipper.update(ratio, adv, ratio_hp=..., group=group)
-where ratio_hp is given exactly on micro-batches with `clipper.wants_shadow(step, mb)`.
+    stats = RatioStats(...); stats.add(ratio, adv, ratio_hp=...)   # every micro-batch, local
+    clipper.solve(stats, group, smooth=True)                         # once: reduce + targets + L, H
+    lower, upper = clipper.bounds(device)                            # 0-d tensors for the loss
+
+`solve` (docs/CALIBRATED_CLIPPING.md section 2; order of the guard rails in algo/calibration.py):
+reduce the statistics over `group` (one collective round, every rank of the group calls it);
+if they hold high-precision sums (a calibration event), update the targets; if they hold FP8
+statistics and targets exist, solve L and H and hold them: with `smooth`, new = smoothing * held +
+(1 - smoothing) * solved (the first solve of a run is taken as is); without, the solution itself.
+The state lives on the last pipeline stage (where the loss runs); the loop copies it to the other
+stages after every step, so what rank 0 logs and checkpoints is the last stage's.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
-from megatron_rl.algo.calibration import (
-    BoundsSolution,
-    CalibrationTargets,
-    gather_ratio_stats,
-    reference_sums,
-    solve_bounds,
-    targets_from_sums,
-)
+from megatron_rl.algo.calibration import BoundsSolution, CalibrationTargets, RatioStats, solve_bounds
 from megatron_rl.algo.ratio_stats import HistSpec
 from megatron_rl.config.algo import AlgoConfig, CalibrationConfig
 
-
-def _f64(x: float) -> torch.Tensor:
-    return torch.tensor(float(x), dtype=torch.float64)
+def _f32(x: float) -> float:
+    """x rounded to float32, the precision the loss compares ratios in."""
+    return float(np.float32(x))
 
 
 class CalibratedClipper:
-    """Targets, smoothed bounds and the calibration schedule; checkpointed via state_dict()."""
+    """Targets, held bounds (EMA), last solution and subsampling RNG; checkpointed via state_dict()."""
 
     def __init__(self, cfg: CalibrationConfig, *, eps_low: float, eps_high: float) -> None:
         """Start at the uncalibrated bounds 1 - eps_low, 1 + eps_high (static targets are set at once)."""
@@ -40,125 +43,82 @@ class CalibratedClipper:
         self.eps_low, self.eps_high = float(eps_low), float(eps_high)
         self.hist_spec = HistSpec(cfg.hist_bins, cfg.hist_log_min, cfg.hist_log_max)
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.lower = torch.tensor(1.0 - self.eps_low, dtype=torch.float32)
-        self.upper = torch.tensor(1.0 + self.eps_high, dtype=torch.float32)
+        self.lower, self.upper = _f32(1.0 - self.eps_low), _f32(1.0 + self.eps_high)
         self.targets: Optional[CalibrationTargets] = None
         if cfg.target_source == "static":
             self.targets = CalibrationTargets.of(cfg.static_alpha, cfg.static_rho)
         self.solved = False
-        self.step = 0
-        self._pending = False
-        self._step_sums: Optional[torch.Tensor] = None
         self.last: Optional[BoundsSolution] = None
 
-    def is_calibration_step(self, step: int) -> bool:
-        """True on steps that calibrate (every `calibrate_every`, starting at step 0)."""
-        return step % self.cfg.calibrate_every == 0
+    def new_stats(self, *, fp8: bool = True, reference: bool = False, record: bool = False) -> RatioStats:
+        """An empty `RatioStats` with this clipper's backend, eps and bins."""
+        return RatioStats(self.cfg.backend, fp8=fp8, reference=reference, eps_low=self.eps_low, eps_high=self.eps_high,
+                          hist_spec=self.hist_spec, record=record)
 
-    def wants_shadow(self, step: int, microbatch: int) -> bool:
-        """Whether micro-batch `microbatch` of `step` should run the high-precision shadow forward (rank-independent draw)."""
-        if self.cfg.target_source != "shadow" or not self.is_calibration_step(step):
-            return False
-        if self.cfg.shadow_fraction >= 1.0:
-            return True
-        g = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + step) * 1_000_003 + microbatch)
-        return bool(torch.rand((), generator=g) < self.cfg.shadow_fraction)
-
-    def begin_step(self, step: int) -> None:
-        """Call once per step before its micro-batches: starts the step's pooled shadow statistics; static targets re-solve on the first micro-batch of calibration steps."""
-        self.step = step
-        self._pending = self.cfg.target_source == "static" and self.is_calibration_step(step)
-        self._step_sums = None
-
-    def _merge_targets(self, new: CalibrationTargets) -> None:
-        old = self.targets
-        if old is None:
-            self.targets = new
-            return
-        # an empty side of the reference pass says nothing: keep what we knew
-        alpha = new.alpha if float(new.num_neg) > 0 else old.alpha
-        rho = new.rho if float(new.num_neg) > 0 and float(new.num_pos) > 0 else old.rho
-        self.targets = CalibrationTargets(alpha, rho, new.num_neg, new.num_pos)
-
-    def update(
-        self,
-        ratio: torch.Tensor,
-        adv: torch.Tensor,
-        *,
-        ratio_hp: Optional[torch.Tensor] = None,
-        group: Optional[object] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bounds for this micro-batch (1-D FP8 ratios and advantages of its valid tokens); may run collectives."""
-        new_targets = False
-        if ratio_hp is not None:
-            if self.cfg.target_source != "shadow":
-                raise ValueError("ratio_hp given but algo.calibration.target_source is not 'shadow'")
-            sums = reference_sums(ratio_hp, adv, eps_low=self.eps_low, eps_high=self.eps_high, group=group)
-            # targets pool every shadow micro-batch of the step: more tokens, steadier alpha and rho
-            self._step_sums = sums if self._step_sums is None else self._step_sums + sums
-            self._merge_targets(targets_from_sums(self._step_sums))
-            new_targets = True
-        resolve = self.cfg.bounds_update == "per_microbatch" or new_targets or self._pending
-        if resolve and self.targets is not None:
-            self._solve(ratio, adv, group)
-            self._pending = False
-        return self.lower, self.upper
-
-    def _solve(self, ratio: torch.Tensor, adv: torch.Tensor, group: Optional[object]) -> None:
+    def solve(self, stats: RatioStats, group: Optional[object] = None, *, smooth: bool = True) -> Optional[BoundsSolution]:
+        """Reduce `stats` over `group`, update targets and held bounds (see module docstring); the solution, or None when none ran."""
         c = self.cfg
-        stats = gather_ratio_stats(
-            ratio, adv, group=group, backend=c.backend, max_samples_per_rank=c.max_samples_per_rank,
-            hist_spec=self.hist_spec, generator=self.generator,
-        )
+        reduced = stats.reduce(group, max_samples_per_rank=c.max_samples_per_rank, generator=self.generator)
+        if reduced.targets is not None:
+            self.targets = reduced.targets.merged_into(self.targets)
+        if reduced.fp8 is None or self.targets is None:
+            return None
         sol = solve_bounds(
-            stats, self.targets, eps_low=self.eps_low, eps_high=self.eps_high, upper=c.upper,
+            reduced.fp8, self.targets, eps_low=self.eps_low, eps_high=self.eps_high, upper=c.upper,
             lower_min=c.lower_min, lower_max=c.lower_max, upper_min=c.upper_min, upper_max=c.upper_max,
-            previous=(float(self.lower), float(self.upper)),
+            relax_only=c.relax_only, previous=(self.lower, self.upper),
         )
-        s = c.smoothing if self.solved else 0.0
-        self.lower = (s * self.lower + (1.0 - s) * sol.lower).to(torch.float32)
-        self.upper = (s * self.upper + (1.0 - s) * sol.upper).to(torch.float32)
+        s = c.smoothing if smooth and self.solved else 0.0
+        self.lower = _f32(s * self.lower + (1.0 - s) * sol.lower)
+        self.upper = _f32(s * self.upper + (1.0 - s) * sol.upper)
         self.solved = True
         self.last = sol
+        return sol
 
-    def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The current (lower, upper) bounds as 0-d tensors, without re-solving."""
-        return self.lower, self.upper
+    def bounds(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held (lower, upper) as 0-d float32 tensors on `device` (the loss data's device)."""
+        return (torch.tensor(self.lower, dtype=torch.float32, device=device),
+                torch.tensor(self.upper, dtype=torch.float32, device=device))
 
     def metrics(self) -> dict[str, float]:
-        """Current bounds, targets and the achieved alpha/rho of the last solve (nan where undefined)."""
-        out = {"calib/lower": float(self.lower), "calib/upper": float(self.upper)}
-        out["calib/alpha_target"] = float(self.targets.alpha) if self.targets is not None else math.nan
-        out["calib/rho_target"] = float(self.targets.rho) if self.targets is not None else math.nan
-        out["calib/alpha_achieved"] = self.last.alpha_achieved if self.last is not None else math.nan
-        out["calib/rho_achieved"] = self.last.rho_achieved if self.last is not None else math.nan
-        return out
+        """Held bounds, targets, and the achieved alpha/rho of the last solve (nan where undefined)."""
+        t, last = self.targets, self.last
+        return {
+            "calib/lower": self.lower, "calib/upper": self.upper,
+            "calib/alpha_target": t.alpha if t is not None else math.nan,
+            "calib/rho_target": t.rho if t is not None else math.nan,
+            "calib/alpha_achieved": last.alpha_achieved if last is not None else math.nan,
+            "calib/rho_achieved": last.rho_achieved if last is not None else math.nan,
+        }
+
+    @staticmethod
+    def solution_metrics(sol: Optional[BoundsSolution]) -> dict[str, float]:
+        """calib/solve_*: one solve's bounds after the guard rails (before EMA) and before them (raw); empty without a solve."""
+        if sol is None:
+            return {}
+        return {"calib/solve_lower": sol.lower, "calib/solve_upper": sol.upper,
+                "calib/solve_lower_raw": sol.lower_raw, "calib/solve_upper_raw": sol.upper_raw}
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: bounds, targets, schedule flags and the subsampling RNG."""
-        t = self.targets
+        """Everything needed to resume and to log the same metrics: bounds, targets, last solution, RNG."""
+        t, last = self.targets, self.last
         return {
-            "lower": float(self.lower),
-            "upper": float(self.upper),
+            "lower": self.lower,
+            "upper": self.upper,
             "solved": self.solved,
-            "step": self.step,
-            "pending": self._pending,
-            "step_sums": None if self._step_sums is None else self._step_sums.tolist(),
-            "targets": None if t is None else {k: float(getattr(t, k)) for k in ("alpha", "rho", "num_neg", "num_pos")},
+            "targets": None if t is None else {k: getattr(t, k) for k in ("alpha", "rho", "num_neg", "num_pos")},
+            "last": None if last is None else last._asdict(),
             "generator": self.generator.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from `state_dict()` output."""
-        self.lower = torch.tensor(state["lower"], dtype=torch.float32)
-        self.upper = torch.tensor(state["upper"], dtype=torch.float32)
+        self.lower, self.upper = _f32(state["lower"]), _f32(state["upper"])
         self.solved = bool(state["solved"])
-        self.step = int(state["step"])
-        self._pending = bool(state["pending"])
-        sums = state.get("step_sums")
-        self._step_sums = None if sums is None else torch.tensor(sums, dtype=torch.float64)
         t = state["targets"]
-        self.targets = None if t is None else CalibrationTargets(*(_f64(t[k]) for k in ("alpha", "rho", "num_neg", "num_pos")))
+        self.targets = None if t is None else CalibrationTargets(**{k: float(v) for k, v in t.items()})
+        last = state.get("last")
+        self.last = None if last is None else BoundsSolution(**last)
         self.generator.set_state(state["generator"])
 
 

@@ -83,7 +83,7 @@ def dual_clip_loss(
     c = torch.as_tensor(dual_clip_c, dtype=ratio.dtype, device=ratio.device).detach()
     dual = (advantages < 0) & (ratio > c)
     loss = torch.where(dual, -advantages * c, loss)
-    return PolicyLossOutput(loss, ratio.detach(), lo, hi & ~dual, dual)
+    return PolicyLossOutput(loss, ratio.detach(), lo, hi & dual.logical_not(), dual)
 
 
 @POLICY_LOSSES.register("cispo")

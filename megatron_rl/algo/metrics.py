@@ -45,22 +45,23 @@ def clip_fraction_sums(
 def ratio_histograms(
     ratio: torch.Tensor, adv: torch.Tensor, loss_mask: torch.Tensor, bins: int = 512, log_range: float = 2.0
 ) -> dict[str, torch.Tensor]:
-    """Counts of log r over [-log_range, log_range] in `bins` bins plus under/overflow, for A<0 and A>0."""
+    """Counts of log r over [-log_range, log_range] in `bins` bins plus under/overflow, for A<0 and A>0 (on the data's device)."""
     valid = loss_mask > 0
-    lr = torch.log(ratio.detach().to(torch.float64)).clamp(-1e4, 1e4)
+    lr = torch.log(ratio.detach().to(torch.float64)).clamp(-1e4, 1e4).reshape(-1)
     width = 2 * log_range / bins
     idx = (torch.floor((lr + log_range) / width).to(torch.int64) + 1).clamp(0, bins + 1)
     out = {}
     for name, sel in (("neg", valid & (adv < 0)), ("pos", valid & (adv > 0))):
-        h = torch.zeros(bins + 2, dtype=torch.float64)
-        h.index_add_(0, idx[sel], torch.ones(int(sel.sum()), dtype=torch.float64))
+        # masked weights instead of boolean indexing: no data-dependent shapes, no host sync
+        h = torch.zeros(bins + 2, dtype=torch.float64, device=ratio.device)
+        h.index_add_(0, idx, sel.reshape(-1).to(torch.float64))
         out[f"hist/ratio_{name}"] = h
     return out
 
 
 def quantiles_from_histogram(counts: torch.Tensor, log_range: float, qs: Iterable[float] = RATIO_QUANTILES) -> list[float]:
     """Ratio quantiles from `ratio_histograms` counts: exp of the centre of the bin holding each quantile (nan if empty)."""
-    counts = counts.to(torch.float64)
+    counts = counts.detach().to("cpu", torch.float64)  # a finalised metric: host-side
     total = float(counts.sum())
     bins = counts.numel() - 2
     width = 2 * log_range / bins
@@ -70,7 +71,7 @@ def quantiles_from_histogram(counts: torch.Tensor, log_range: float, qs: Iterabl
         if total <= 0:
             out.append(math.nan)
             continue
-        b = min(int(torch.searchsorted(cum, torch.tensor(q * total, dtype=torch.float64), right=False)), bins + 1)
+        b = min(int(torch.searchsorted(cum, torch.tensor(q * total, dtype=torch.float64, device=cum.device), right=False)), bins + 1)
         centre = -log_range + (min(max(b, 1), bins) - 0.5) * width
         out.append(math.exp(-log_range) if b == 0 else math.exp(log_range) if b == bins + 1 else math.exp(centre))
     return out
@@ -80,7 +81,7 @@ def ratio_quantiles(ratio: torch.Tensor, qs: Iterable[float] = RATIO_QUANTILES) 
     """Exact (interpolated) quantiles of a 1-D ratio tensor; nan when empty (single process)."""
     if ratio.numel() == 0:
         return [math.nan for _ in qs]
-    return torch.quantile(ratio.to(torch.float64), torch.tensor(list(qs), dtype=torch.float64)).tolist()
+    return torch.quantile(ratio.to(torch.float64), torch.tensor(list(qs), dtype=torch.float64, device=ratio.device)).tolist()
 
 
 def rollout_correction_sums(weight: torch.Tensor, clipped: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -92,15 +93,16 @@ def rollout_correction_sums(weight: torch.Tensor, clipped: torch.Tensor, loss_ma
     return out
 
 
-def mismatch_sums(logp_train: torch.Tensor, logp_rollout: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Train-vs-rollout mismatch: mean |dlogp|, k3 KL(rollout || train), token_mult_prob_error = mean exp|dlogp|."""
+def mismatch_sums(logp_train: torch.Tensor, logp_rollout: torch.Tensor, loss_mask: torch.Tensor,
+                  log_ratio_clamp: float = 20.0) -> dict[str, torch.Tensor]:
+    """Train-vs-rollout mismatch: mean |dlogp|, k3 KL(rollout || train), token_mult_prob_error = mean exp|dlogp| (|dlogp| clamped like the loss's log-ratio)."""
     valid = (loss_mask > 0).to(torch.float64)
     d = (logp_train.detach() - logp_rollout.detach()).to(torch.float64) * valid
     n = valid.sum()
     out: dict[str, torch.Tensor] = {}
     _pair(out, "mismatch_abs_dlogp", d.abs().sum(), n)
     _pair(out, "mismatch_k3_kl", (kl_k3(logp_rollout.detach().to(torch.float64), logp_train.detach().to(torch.float64)) * valid).sum(), n)
-    _pair(out, "token_mult_prob_error", (torch.exp(d.abs().clamp(max=20.0)) * valid).sum(), n)
+    _pair(out, "token_mult_prob_error", (torch.exp(d.abs().clamp(max=log_ratio_clamp)) * valid).sum(), n)
     return out
 
 

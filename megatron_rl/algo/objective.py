@@ -10,22 +10,9 @@ call `finalize_metrics`.
 
 Per-token loss = policy_loss * rollout_correction_weight + kl_coef * KL - entropy_coef * entropy.
 
-A learner loss_fn (ctx.group = the DP x CP group; ctx.clipper a CalibratedClipper or None;
-ctx.logprobs_hp the shadow high-precision log-probs of the current policy on shadow
-micro-batches, else None):
-
-    def loss_fn(logprobs, entropy, mb, ctx):
-        bounds = default_bounds(cfg)
-        if ctx.clipper is not None:
-            adv, mask = mb.advantages, mb.loss_mask
-            ratio, a = flatten_valid(torch.exp(logprobs.detach() - mb.old_logprobs), adv, mask)
-            ratio_hp = None
-            if ctx.logprobs_hp is not None:
-                ratio_hp, _ = flatten_valid(torch.exp(ctx.logprobs_hp - mb.old_logprobs_hp), adv, mask)
-            bounds = ctx.clipper.update(ratio, a, ratio_hp=ratio_hp, group=ctx.group)
-        return policy_objective(logprobs, mb.old_logprobs, mb.advantages, mb.token_weight,
-                                mb.loss_mask, bounds, mb.rollout_logprobs, mb.ref_logprobs,
-                                entropy, cfg)
+The learner's loss_fn (megatron_rl/phases/loss.py) calls it with the bounds the step's
+CalibrationPlan chose (held calibrated bounds, a per_minibatch solve, or None for 1 -/+ eps).
+Every tensor created here takes the device (and dtype) of the log-probs, bounds included.
 """
 from __future__ import annotations
 
@@ -40,10 +27,11 @@ from megatron_rl.algo.rollout_correction import rollout_correction
 from megatron_rl.config.algo import AlgoConfig
 
 
-def default_bounds(cfg: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The uncalibrated ratio bounds (1 - eps_low, 1 + eps_high) as 0-d float32 tensors."""
+def default_bounds(cfg: AlgoConfig, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uncalibrated ratio bounds (1 - eps_low, 1 + eps_high) as 0-d float32 tensors on `device`."""
     p = cfg.policy_loss
-    return torch.tensor(1.0 - p.eps_low, dtype=torch.float32), torch.tensor(1.0 + p.eps_high, dtype=torch.float32)
+    return (torch.tensor(1.0 - p.eps_low, dtype=torch.float32, device=device),
+            torch.tensor(1.0 + p.eps_high, dtype=torch.float32, device=device))
 
 
 def policy_objective(
@@ -70,12 +58,13 @@ def policy_objective(
         raise ValueError("policy_objective needs token_weight (megatron_rl.algo.aggregation.token_weights)")
     p = cfg.policy_loss
     old = logprobs.detach() if old_logprobs is None else old_logprobs
-    lower, upper = default_bounds(cfg) if bounds is None else bounds
-    mask = (loss_mask > 0).to(logprobs.dtype)
-    adv = advantages.to(logprobs.dtype)
+    dev, dt = logprobs.device, logprobs.dtype
+    lower, upper = default_bounds(cfg, dev) if bounds is None else (torch.as_tensor(b, device=dev) for b in bounds)
+    mask = (loss_mask > 0).to(dt)
+    adv = advantages.to(dt)
     out = policy_loss(
         p.name, logprobs, old, adv, lower, upper,
-        dual_clip_c=torch.tensor(p.dual_clip_c, dtype=logprobs.dtype), log_ratio_clamp=p.log_ratio_clamp,
+        dual_clip_c=torch.tensor(p.dual_clip_c, dtype=dt, device=dev), log_ratio_clamp=p.log_ratio_clamp,
     )
     w = token_weight.to(logprobs.dtype) * mask
     sums: dict[str, torch.Tensor] = {}
@@ -88,12 +77,13 @@ def policy_objective(
     elif rollout_logprobs is not None and rc.mode != "none":
         corr = rollout_correction(
             old, rollout_logprobs, loss_mask, mode=rc.mode, level=rc.level,
-            tis_cap=torch.tensor(rc.tis_cap), mis_low=torch.tensor(rc.mis_low), mis_high=torch.tensor(rc.mis_high),
+            tis_cap=torch.tensor(rc.tis_cap, device=dev), mis_low=torch.tensor(rc.mis_low, device=dev),
+            mis_high=torch.tensor(rc.mis_high, device=dev),
         )
         pg = pg * corr.weight
         sums.update(M.rollout_correction_sums(corr.weight, corr.clipped, loss_mask))
     if rollout_logprobs is not None:
-        sums.update(M.mismatch_sums(old, rollout_logprobs, loss_mask))
+        sums.update(M.mismatch_sums(old, rollout_logprobs, loss_mask, p.log_ratio_clamp))
 
     total = pg
     sums["loss/pg"] = (w * pg).sum().detach().to(torch.float64)
@@ -101,13 +91,13 @@ def policy_objective(
         if ref_logprobs is None:
             raise ValueError("algo.kl.coef > 0 needs ref_logprobs in the batch")
         kl = kl_penalty(logprobs, ref_logprobs, cfg.kl.estimator)
-        total = total + torch.tensor(cfg.kl.coef, dtype=logprobs.dtype) * kl
+        total = total + torch.tensor(cfg.kl.coef, dtype=dt, device=dev) * kl
         sums["loss/kl"] = (w * kl).sum().detach().to(torch.float64)
         sums.update(M.masked_mean_sums("kl_ref", kl, loss_mask))
     if p.entropy_coef > 0:
         if entropy is None:
             raise ValueError("algo.policy_loss.entropy_coef > 0 needs the per-token entropy")
-        total = total + entropy_bonus(entropy, torch.tensor(p.entropy_coef, dtype=entropy.dtype))
+        total = total + entropy_bonus(entropy, torch.tensor(p.entropy_coef, dtype=entropy.dtype, device=entropy.device))
     if entropy is not None:
         sums.update(M.masked_mean_sums("entropy", entropy, loss_mask))
 

@@ -6,17 +6,26 @@ Two representations with the same query interface, one per distributed backend:
 - `HistStats`: counts and |A|*r mass in fixed bins over log r (plus under/overflow), for
   N = {A < 0} and P = {A > 0}. Within one bin width.
 
-Queries (all in float64, on the global token set):
-- `lower_quantile(alpha)`: L = the smallest sample value x_(k) such that the weighted count of
-  samples <= x_(k) exceeds alpha * |N|; for unit weights k = floor(alpha * |N|) + 1, so the
-  number of negative ratios strictly below L is floor(alpha * |N|) when ratios are distinct
-  (never more, and never fewer than alpha*|N| - (ties at L) - 1). alpha = 1 gives the largest
-  ratio times (1 + 1e-6). The histogram returns the lower edge of the bin holding
-  x_(k) (so at most as many tokens below, and |log L - log x_(k)| < bin width).
-- `neg_mass_from(L)` = C-(L) = sum_{N, r >= L} |A| r; `pos_mass_to(H)` = C+(H) = sum_{P, r <= H} A r.
-- `smallest_upper(target)`: the smallest H >= 1 with C+(H) >= target (a positive ratio or 1);
-  when unreachable, the largest positive ratio (all positive tokens active). The histogram
-  returns the upper edge of the bin where C+ crosses the target.
+In the terms of docs/CALIBRATED_CLIPPING.md (section 2), on the solve's token set T with
+N = {t : A_t < 0}, P = {t : A_t > 0} (tokens with A_t = 0 belong to neither):
+- `lower_quantile(alpha)` is L = Quantile_alpha({r_t : t in N}), defined as the k-th order
+  statistic x_(k) of the negative ratios (ascending, 1-based) with k = floor(alpha * |N|) + 1;
+  so exactly floor(alpha * |N|) negative ratios lie strictly below L when they are distinct
+  (with ties at L, fewer). alpha * |N| within 1e-6 of an integer c counts as c (alpha is itself a
+  ratio of counts, n_below / |N|, and must give k = n_below + 1 on the same token set despite
+  float rounding). With weights (subsampled ranks), k generalises to the first sample whose
+  cumulative weight exceeds alpha * |N|. When k > |N| (alpha = 1) L is the largest negative
+  ratio times (1 + 1e-6), so every negative token lies below it. The histogram returns the lower
+  edge of the bin holding x_(k) (never more tokens below, |log L - log x_(k)| < bin width).
+- `neg_mass_from(L)` = C-(L) = sum_{t in N, r_t >= L} |A_t| r_t;
+  `pos_mass_to(H)` = C+(H) = sum_{t in P, r_t <= H} A_t r_t.
+- `smallest_upper(target)`: the smallest H >= 1 with C+(H) >= target (H is 1 or a positive
+  ratio; a relative tolerance of 1e-9 absorbs summation order); when unreachable, the largest
+  positive ratio (all positive tokens active). The histogram returns the upper edge of the bin
+  where C+ crosses the target.
+
+Every tensor created here takes the device of the data, so the solve runs where the gathered
+statistics live (CPU or GPU); only a handful of scalars cross to the host per query.
 """
 from __future__ import annotations
 
@@ -56,6 +65,10 @@ class _Side:
         m = absadv.to(torch.float64)[order] * r64 * w
         return cls(r64, w.cumsum(0), m.cumsum(0))
 
+    def scalar(self, x: float) -> torch.Tensor:
+        """A 0-d float64 query value on this side's device."""
+        return torch.tensor(x, dtype=torch.float64, device=self.r.device)
+
     @property
     def count(self) -> float:
         """Weighted number of tokens."""
@@ -91,7 +104,7 @@ class SampleStats:
         """L as defined in the module docstring; None when N is empty."""
         if not self.neg.r.numel():
             return None
-        thr = torch.tensor(alpha * self.neg.count + _COUNT_TOL, dtype=torch.float64)
+        thr = torch.tensor(alpha * self.neg.count + _COUNT_TOL, dtype=torch.float64, device=self.neg.r.device)
         k = int(torch.searchsorted(self.neg.cum_w, thr, right=True))
         if k >= self.neg.r.numel():
             # 1e-6 relative survives a cast to float32 (whose spacing is 1.2e-7 relative)
@@ -102,17 +115,17 @@ class SampleStats:
         """C-(L) = sum over N with r >= L of |A| r."""
         if not self.neg.r.numel():
             return 0.0
-        i = int(torch.searchsorted(self.neg.r, torch.tensor(lower, dtype=torch.float64), right=False))
+        i = int(torch.searchsorted(self.neg.r, self.neg.scalar(lower), right=False))
         return self.neg.mass - (float(self.neg.cum_m[i - 1]) if i > 0 else 0.0)
 
     def pos_mass_to(self, upper: float) -> float:
         """C+(H) = sum over P with r <= H of A r."""
-        i = int(torch.searchsorted(self.pos.r, torch.tensor(upper, dtype=torch.float64), right=True))
+        i = int(torch.searchsorted(self.pos.r, self.pos.scalar(upper), right=True))
         return float(self.pos.cum_m[i - 1]) if i > 0 else 0.0
 
     def neg_count_below(self, x: float) -> float:
         """Weighted count of N with r < x."""
-        i = int(torch.searchsorted(self.neg.r, torch.tensor(x, dtype=torch.float64), right=False))
+        i = int(torch.searchsorted(self.neg.r, self.neg.scalar(x), right=False))
         return float(self.neg.cum_w[i - 1]) if i > 0 else 0.0
 
     def smallest_upper(self, target: float) -> Optional[float]:
@@ -122,7 +135,7 @@ class SampleStats:
         goal = target * (1.0 - _MASS_RTOL)
         if self.pos_mass_to(1.0) >= goal:
             return 1.0
-        j = int(torch.searchsorted(self.pos.cum_m, torch.tensor(goal, dtype=torch.float64), right=False))
+        j = int(torch.searchsorted(self.pos.cum_m, self.pos.scalar(goal), right=False))
         if j >= self.pos.r.numel():
             return max(1.0, float(self.pos.r[-1]))
         return max(1.0, float(self.pos.r[j]))
@@ -158,15 +171,17 @@ class HistSpec:
 
 
 def local_histogram(ratio: torch.Tensor, adv: torch.Tensor, spec: HistSpec) -> torch.Tensor:
-    """This rank's [4, bins + 2] float64 buffer: rows = N counts, N |A| r mass, P counts, P A r mass."""
+    """This rank's [4, bins + 2] float64 buffer (on the data's device): rows = N counts, N |A| r mass, P counts, P A r mass."""
     neg, pos = _split(ratio, adv)
-    out = torch.zeros(4, spec.bins + 2, dtype=torch.float64)
-    r64, a64 = ratio.to(torch.float64), adv.to(torch.float64)
-    for row, sel in ((0, neg), (2, pos)):
-        idx = spec.index(ratio[sel])
-        out[row].index_add_(0, idx, torch.ones_like(idx, dtype=torch.float64))
-        out[row + 1].index_add_(0, idx, a64[sel].abs() * r64[sel])
-    return out
+    mass = adv.to(torch.float64).abs() * ratio.to(torch.float64)
+    idx = spec.index(ratio)
+    rows = []
+    # masked weights instead of boolean indexing: no data-dependent shapes, no host sync
+    for sel in (neg, pos):
+        w = sel.to(torch.float64)
+        for values in (w, w * mass):
+            rows.append(torch.zeros(spec.bins + 2, dtype=torch.float64, device=ratio.device).index_add_(0, idx, values))
+    return torch.stack(rows)
 
 
 class HistStats:
@@ -208,7 +223,7 @@ class HistStats:
         """Lower edge of the bin holding x_(k) (see module docstring); None when N is empty."""
         if self.num_neg <= 0:
             return None
-        thr = torch.tensor(alpha * self.num_neg + _COUNT_TOL, dtype=torch.float64)
+        thr = torch.tensor(alpha * self.num_neg + _COUNT_TOL, dtype=torch.float64, device=self.cum.device)
         b = int(torch.searchsorted(self.cum[0], thr, right=True))
         if b >= self.spec.bins + 2:
             last = int(torch.nonzero(self.h[0]).max())
@@ -234,7 +249,7 @@ class HistStats:
         goal = target * (1.0 - _MASS_RTOL)
         if self.pos_mass_to(1.0) >= goal:
             return 1.0
-        b = int(torch.searchsorted(self.cum[3], torch.tensor(goal, dtype=torch.float64), right=False))
+        b = int(torch.searchsorted(self.cum[3], torch.tensor(goal, dtype=torch.float64, device=self.cum.device), right=False))
         if b >= self.spec.bins + 2:
             b = int(torch.nonzero(self.h[2]).max())
         return max(1.0, math.exp(self._log_edge(b + 1)))

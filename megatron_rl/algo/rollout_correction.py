@@ -42,7 +42,7 @@ def _log_w(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: tor
 
 def _tis(old_logprobs, rollout_logprobs, mask, *, level, tis_cap=2.0, **_):
     lw = _log_w(old_logprobs, rollout_logprobs, mask, level)
-    log_cap = torch.log(torch.as_tensor(tis_cap, dtype=lw.dtype))
+    log_cap = torch.log(torch.as_tensor(tis_cap, dtype=lw.dtype, device=lw.device))
     clipped = (lw > log_cap) & (mask > 0)
     raw = torch.exp(lw) * mask
     return CorrectionOutput(torch.exp(lw.clamp(max=log_cap)) * mask, raw, clipped)
@@ -51,8 +51,8 @@ def _tis(old_logprobs, rollout_logprobs, mask, *, level, tis_cap=2.0, **_):
 def _mis(old_logprobs, rollout_logprobs, mask, *, level, mis_low=0.5, mis_high=2.0, **_):
     lw = _log_w(old_logprobs, rollout_logprobs, mask, level)
     raw = torch.exp(lw)
-    keep = (raw >= torch.as_tensor(mis_low, dtype=raw.dtype)) & (raw <= torch.as_tensor(mis_high, dtype=raw.dtype))
-    return CorrectionOutput(torch.where(keep, raw, torch.zeros_like(raw)) * mask, raw * mask, ~keep & (mask > 0))
+    keep = (raw >= torch.as_tensor(mis_low, dtype=raw.dtype, device=raw.device)) & (raw <= torch.as_tensor(mis_high, dtype=raw.dtype, device=raw.device))
+    return CorrectionOutput(torch.where(keep, raw, torch.zeros_like(raw)) * mask, raw * mask, keep.logical_not() & (mask > 0))
 
 
 def _none(old_logprobs, rollout_logprobs, mask, **_):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from megatron_rl.config.base import (NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Seed, StrictConfig,
                                      UnitFloat)
@@ -59,11 +59,13 @@ class CalibrationConfig(StrictConfig):
     upper: Literal["match_contribution", "log_scale", "fixed"] = "match_contribution"
     """Upper-bound rule: match_contribution (paper default), log_scale, or fixed (1 + eps_high)."""
     calibrate_every: PositiveInt = 20
-    """Run the high-precision shadow forwards every this many steps (paper: 20)."""
+    """A calibration event every this many steps (paper: 20): shadow forwards, one pooled solve at the end of the step, bounds held from the next step."""
     smoothing: float = Field(0.5, ge=0, lt=1, allow_inf_nan=False)
-    """EMA weight of the previous bound: new = smoothing * old + (1 - smoothing) * solved (0 = no smoothing)."""
-    bounds_update: Literal["per_calibration", "per_microbatch"] = "per_calibration"
-    """per_calibration: solve L, H on calibration micro-batches and hold them; per_microbatch: re-solve on every micro-batch at the stored targets."""
+    """EMA weight of the held bound, once per calibration event: new = smoothing * old + (1 - smoothing) * solved (per_minibatch pre-pass solves apply unsmoothed)."""
+    bounds_update: Literal["per_calibration", "per_minibatch"] = "per_calibration"
+    """per_calibration (paper): one pooled solve per calibration step, held until the next; per_minibatch: also re-solve before every off-policy mini-batch from a no-grad FP8 pre-pass."""
+    relax_only: bool = True
+    """Guard rail: calibration only relaxes the bounds (L <= 1 - eps_low, H >= 1 + eps_high); false allows tightening."""
     target_source: Literal["shadow", "static"] = "shadow"
     """shadow: alpha and rho from the high-precision shadow pass; static: alpha and rho from this config."""
     static_alpha: Optional[UnitFloat] = None
@@ -71,11 +73,11 @@ class CalibrationConfig(StrictConfig):
     static_rho: Optional[NonNegativeFloat] = None
     """rho (positive/negative contribution ratio) when target_source=static."""
     shadow_fraction: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    """Fraction of micro-batches of a calibration step that run the shadow forward (same draw on every rank)."""
+    """Fraction of the step's rows that run the high-precision shadow forwards and feed the calibration solve (same seeded draw on every rank)."""
     backend: Literal["allgather", "histogram"] = "allgather"
     """Distributed statistics backend: allgather (exact unless subsampled) or histogram (one all-reduce)."""
     max_samples_per_rank: PositiveInt = 65536
-    """allgather: each rank contributes at most this many (ratio, advantage) pairs (uniform subsample beyond)."""
+    """allgather: each rank contributes at most this many (ratio, advantage) pairs to a solve (uniform subsample beyond; the dumps then hold more than the solve saw)."""
     hist_bins: int = Field(8192, ge=2)
     """histogram: number of bins over log r (plus one underflow and one overflow bin)."""
     hist_log_min: float = Field(-4.0, ge=-100, le=100, allow_inf_nan=False)
@@ -92,6 +94,15 @@ class CalibrationConfig(StrictConfig):
     """Clamp: largest allowed calibrated upper bound H."""
     seed: Seed = 0
     """Seed of the shadow_fraction draws and of the allgather subsampling."""
+
+    @field_validator("bounds_update", mode="before")
+    @classmethod
+    def _removed_modes(cls, value: object) -> object:
+        if value == "per_microbatch":
+            raise ValueError("algo.calibration.bounds_update=per_microbatch was removed (it solved on one micro-batch's "
+                             "tokens); use per_minibatch (a pooled solve before every off-policy mini-batch) or "
+                             "per_calibration (the paper's default)")
+        return value
 
     @model_validator(mode="after")
     def _validate(self) -> "CalibrationConfig":

@@ -93,6 +93,11 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True) -> list[str]:
                    f"algo.dapo.max_response_length or rollout.sampling.max_new_tokens ({lmax})")
     if cfg.algo.dapo.dynamic_sampling and cfg.rollout.n_samples_per_prompt < 2:
         out.append("algo.dapo.dynamic_sampling keeps groups whose rewards differ, which needs rollout.n_samples_per_prompt >= 2")
+    updates = t.num_minibatches * t.ppo_epochs
+    if cfg.algo.calibration.enabled and updates < 2:
+        # the first update of a step is on-policy (ratio 1 in high precision): nothing to calibrate on
+        out.append(f"algo.calibration.enabled needs an off-policy update: train.num_minibatches * train.ppo_epochs "
+                   f"= {t.num_minibatches} * {t.ppo_epochs} = {updates}, must be >= 2")
     if t.health.max_kl_ref is not None and cfg.algo.kl.coef == 0:
         out.append("train.health.max_kl_ref needs the reference policy: set algo.kl.coef > 0 or unset train.health.max_kl_ref")
     return out

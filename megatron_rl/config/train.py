@@ -109,6 +109,8 @@ class TrackingConfig(StrictConfig):
     """W&B run name (default: the run directory's name)."""
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     """offline writes the run under <run_dir>/wandb without a network (upload later with `wandb sync`); online streams it."""
+    dump_ratios: bool = False
+    """On calibration steps write <run_dir>/calibration/step_N.rankR.npz: the tokens of the calibration solve (FP8 and high-precision ratios, advantages, mini-batch)."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrackingConfig":

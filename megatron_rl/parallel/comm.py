@@ -38,6 +38,15 @@ def all_gather_dp_rows(local: torch.Tensor) -> torch.Tensor:
     return torch.cat([p.cpu() for p in parts], dim=0)
 
 
+def share_from_last_stage(obj: Any) -> Any:
+    """Every pipeline stage receives its last stage's `obj` (pickled): state kept where the loss runs, made visible to rank 0."""
+    if state.pp_size() == 1:
+        return obj
+    box = [obj if state.is_last_stage() else None]
+    dist.broadcast_object_list(box, src=state.last_stage_global_rank(), group=state.pp_group())
+    return box[0]
+
+
 def barrier() -> None:
     """Wait for every learner rank."""
     if state.world_size() > 1:

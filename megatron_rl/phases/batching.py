@@ -28,29 +28,30 @@ def build_train_batch(samples: Sequence[Sample], advantages: torch.Tensor, pad_i
         raise ValueError(f"a prompt+response of {seq} tokens exceeds the model's max_seq_len={max_seq_len}; "
                          "lower rollout.sampling.max_new_tokens or use shorter prompts")
     b = len(samples)
-    input_ids = torch.full((b, seq), pad_id, dtype=torch.long)
-    labels = torch.full((b, seq), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(b, seq)
-    adv = torch.zeros(b, seq)
-    rollout_lp = torch.zeros(b, seq)
+    # built on the host from Python samples (the controller broadcasts it; the Learner moves each micro-batch)
+    input_ids = torch.full((b, seq), pad_id, dtype=torch.long)  # device-ok: host-side batch
+    labels = torch.full((b, seq), pad_id, dtype=torch.long)  # device-ok: host-side batch
+    loss_mask = torch.zeros(b, seq)  # device-ok: host-side batch
+    adv = torch.zeros(b, seq)  # device-ok: host-side batch
+    rollout_lp = torch.zeros(b, seq)  # device-ok: host-side batch
     for i, s in enumerate(samples):
         tokens = list(s.prompt_ids) + list(s.response_ids)
         n = len(tokens) - 1
-        input_ids[i, :n] = torch.tensor(tokens[:-1])
-        labels[i, :n] = torch.tensor(tokens[1:])
+        input_ids[i, :n] = torch.tensor(tokens[:-1])  # device-ok: host-side batch
+        labels[i, :n] = torch.tensor(tokens[1:])  # device-ok: host-side batch
         start = len(s.prompt_ids) - 1
         r = len(s.response_ids)
         if r:
             loss_mask[i, start:start + r] = 1.0
             adv[i, start:start + r] = float(advantages[i])
-            rollout_lp[i, start:start + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+            rollout_lp[i, start:start + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)  # device-ok: host-side batch
     return TrainBatch(input_ids=input_ids, labels=labels, loss_mask=loss_mask, advantages=adv,
-                      rollout_logprobs=rollout_lp, sample_index=torch.arange(b))
+                      rollout_logprobs=rollout_lp, sample_index=torch.arange(b))  # device-ok: host-side batch
 
 
 def minibatches(batch: TrainBatch, num_minibatches: int, seed: int) -> list[TrainBatch]:
     """Shuffle rows (same permutation on every rank) and cut them into equal mini-batches."""
-    perm = torch.randperm(batch.batch_size, generator=torch.Generator().manual_seed(seed))
+    perm = torch.randperm(batch.batch_size, generator=torch.Generator().manual_seed(seed))  # device-ok: seeded CPU draw, same on every rank
     size = batch.batch_size // num_minibatches
     return [batch.select(perm[k * size:(k + 1) * size]) for k in range(num_minibatches)]
 

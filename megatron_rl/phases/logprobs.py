@@ -1,7 +1,9 @@
 """Log-prob phase: pi_old (FP8 forward), its high-precision shadow and the reference policy.
 
 Each DP rank computes its rows, then the rows are all-gathered so every rank holds the whole
-step batch (mini-batch membership is decided after this, identically on every rank).
+step batch (mini-batch membership is decided after this, identically on every rank). The
+high-precision shadow forwards run only on the CalibrationPlan's shadow rows (shadow_fraction),
+so their cost falls with the fraction; rows outside it hold 0 and are never read.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.algo.calibration_plan import CalibrationPlan
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import all_gather_dp_rows
 from megatron_rl.phases.batching import dp_shard
@@ -51,20 +54,40 @@ def _global_forward(learner, batch: TrainBatch, micro_batch_size: int) -> tuple[
     return all_gather_dp_rows(lp), all_gather_dp_rows(ent)
 
 
-def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, shadow: bool,
+def _padded(batch: TrainBatch, rows: list[int], multiple: int) -> TrainBatch:
+    """Rows `rows` of `batch`, padded with copies of the first to a multiple of `multiple` rows (forwards need whole micro-batches)."""
+    pad = -len(rows) % multiple
+    return batch.select(rows + rows[:1] * pad)
+
+
+def _shadow_old_logprobs(learner, batch: TrainBatch, rows: list[int], micro_batch_size: int) -> torch.Tensor:
+    """High-precision pi_old of step-batch rows `rows` ([B, S], zero on other rows): only those rows are forwarded, balanced over DP."""
+    if len(rows) == batch.batch_size:
+        with high_precision():
+            return _global_forward(learner, batch, micro_batch_size)[0]
+    sub = _padded(batch, rows, state.dp_size() * micro_batch_size)
+    with high_precision():
+        lp_sub, _ = _global_forward(learner, sub, micro_batch_size)
+    out = torch.zeros_like(batch.loss_mask, dtype=lp_sub.dtype, device=lp_sub.device)
+    out[rows] = lp_sub[: len(rows)]
+    return out
+
+
+def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, plan: Optional[CalibrationPlan] = None,
                  reference: Optional[ReferencePolicy] = None) -> tuple[TrainBatch, dict[str, float]]:
-    """Attach pi_old (learner precision), the high-precision shadow pi_old when `shadow`, and reference log-probs."""
+    """Attach pi_old (learner precision), the high-precision shadow pi_old on the plan's shadow rows, and reference log-probs."""
     lp, ent = _global_forward(learner, batch, micro_batch_size)
     changes = {"old_logprobs": lp}
     mask = batch.loss_mask > 0
     metrics = {"entropy_old": float(ent[mask].mean()) if mask.any() else float("nan")}
-    if shadow:
-        with high_precision():
-            lp_hp, _ = _global_forward(learner, batch, micro_batch_size)
+    if plan is not None and plan.shadow:
+        rows = list(plan.shadow_rows)
+        lp_hp = _shadow_old_logprobs(learner, batch, rows, micro_batch_size)
         changes["old_logprobs_hp"] = lp_hp
-        if mask.any():
+        shadow_mask = mask & plan.row_mask(batch.sample_index, batch.batch_size).to(mask.device)[:, None]
+        if shadow_mask.any():
             # FP8 noise as seen by the policy: how far the FP8 forward's log-probs sit from high precision.
-            d = (lp - lp_hp)[mask]
+            d = (lp - lp_hp)[shadow_mask]
             metrics["fp8/logprob_abs_err_mean"] = float(d.abs().mean())
             metrics["fp8/logprob_err_std"] = float(d.std()) if d.numel() > 1 else 0.0
     if reference is not None:
@@ -73,8 +96,26 @@ def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, shadow: b
     return batch.with_fields(**changes), metrics
 
 
-def current_logprobs_hp(learner, shard: TrainBatch, micro_batch_size: int) -> torch.Tensor:
-    """High-precision log-probs of the current policy on this rank's rows (the shadow pi_theta before an update)."""
+def current_logprobs_hp(learner, shard: TrainBatch, micro_batch_size: int, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """High-precision log-probs of the current policy on this rank's rows (the shadow pi_theta before an update).
+
+    With `rows` ([b] bool, the plan's shadow rows of the shard) only those rows are forwarded (zero elsewhere);
+    the ranks of one model replica hold the same shard, so they agree on whether any forward runs.
+    """
+    if rows is None or bool(rows.all()):
+        with high_precision():
+            return learner.forward_logprobs(shard, micro_batch_size)[0]
+    picked = rows.nonzero().flatten().tolist()
+    out = torch.zeros_like(shard.loss_mask)
+    if not picked:
+        return out
     with high_precision():
-        lp, _ = learner.forward_logprobs(shard, micro_batch_size)
-    return lp
+        lp, _ = learner.forward_logprobs(_padded(shard, picked, micro_batch_size), micro_batch_size)
+    out = out.to(dtype=lp.dtype, device=lp.device)
+    out[picked] = lp[: len(picked)]
+    return out
+
+
+def current_logprobs(learner, shard: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+    """No-grad log-probs of the current policy in the learner's precision (FP8) on this rank's rows: the per_minibatch pre-pass."""
+    return learner.forward_logprobs(shard, micro_batch_size)[0]

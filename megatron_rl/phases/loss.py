@@ -1,19 +1,23 @@
-"""The learner's loss_fn for RL: calibrated clip bounds (collective over DP x CP) + the policy objective.
+"""The learner's loss_fn for RL: the policy objective at given bounds, plus the calibration tap.
 
 Runs on the last pipeline stage inside megatron's schedule, once per micro-batch, never inside an
-activation-recompute region (the Learner calls it on the final logits). Every DP rank runs the
-same number of micro-batches and calls the clipper on each, so the ratio collectives match up
-even on ranks whose micro-batch holds no response tokens.
+activation-recompute region (the Learner calls it on the final logits). It runs no collective:
+on the updates the CalibrationPlan names it adds the micro-batch's shadow-row tokens (FP8 ratio,
+high-precision ratio, advantage) to the step's `RatioStats`, which are reduced over DP x CP once,
+when the step's solve runs (phases/calibrate.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from megatron_rl.algo import metrics as M
-from megatron_rl.algo.clipper import CalibratedClipper
-from megatron_rl.algo.objective import policy_objective
+from megatron_rl.algo.calibration import RatioStats
+from megatron_rl.algo.calibration_plan import CalibrationPlan
+from megatron_rl.algo.losses import log_ratio
+from megatron_rl.algo.objective import default_bounds, policy_objective
 from megatron_rl.algo.rollout_correction import rollout_correction
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.types import TrainBatch
@@ -29,48 +33,63 @@ def with_sequence_rollout_weights(batch: TrainBatch, algo: AlgoConfig) -> TrainB
     return batch.with_fields(rollout_weight=corr.weight.detach())
 
 
+@dataclass
+class CalibrationTap:
+    """Where one update's calibration tokens go: the plan (which rows), the step's statistics and the update's index."""
+
+    plan: CalibrationPlan
+    """The step's plan (its shadow rows select the tokens)."""
+    stats: RatioStats
+    """The step's pooled statistics (local to this rank until the solve)."""
+    update: int
+    """Index of the update within the step (recorded in the ratio dumps)."""
+
+
 class RLLoss:
     """Callable `loss_fn(logprobs, entropy, mb, ctx)` for Learner.train_step."""
 
-    def __init__(self, algo: AlgoConfig, clipper: Optional[CalibratedClipper], step: int, first_micro_batch: int = 0,
-                 bounds: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
-        """`first_micro_batch` numbers micro-batches across the step's mini-batches (shadow sub-sampling is keyed on it).
-
-        Without a clipper the loss clips at `bounds` (the last calibrated ones on the on-policy first mini-batch,
-        whose ratios are 1 up to FP8 noise and say nothing to calibrate on) or at the default 1 -/+ eps.
-        """
+    def __init__(self, algo: AlgoConfig, bounds: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 tap: Optional[CalibrationTap] = None) -> None:
+        """Clip at `bounds` (default 1 -/+ eps); with `tap`, add each micro-batch's calibration tokens to tap.stats."""
         self.algo = algo
-        self.clipper = clipper
-        self.fixed_bounds = bounds
-        self.step = step
-        self.first_micro_batch = first_micro_batch
+        self.bounds = bounds
+        self.tap = tap
         self.sums: Optional[dict[str, torch.Tensor]] = None
         """Metric sums of this rank's micro-batches (vector histograms included), reduced by the loop."""
+
+    def _collect(self, logprobs: torch.Tensor, mb: TrainBatch) -> dict[str, torch.Tensor]:
+        """Add this micro-batch's shadow-row tokens to the step's statistics; returns the shadow metrics in sum form."""
+        tap, clamp = self.tap, self.algo.policy_loss.log_ratio_clamp
+        valid = mb.loss_mask > 0
+        rows = tap.plan.row_mask(mb.sample_index, mb.batch_size).to(valid.device)
+        tokens = valid & rows[:, None]
+        # the same clamp and formula as the objective, so the solve sees the ratios the loss clips
+        ratio = torch.exp(log_ratio(logprobs.detach(), mb.old_logprobs, clamp))
+        extra: dict[str, torch.Tensor] = {}
+        ratio_hp = None
+        if tap.stats.collect_reference:
+            if mb.logprobs_hp is None or mb.old_logprobs_hp is None:
+                raise ValueError("a shadow update needs logprobs_hp and old_logprobs_hp in its micro-batches")
+            lr_hp = log_ratio(mb.logprobs_hp, mb.old_logprobs_hp, clamp)
+            ratio_hp_full = torch.exp(lr_hp)
+            ratio_hp = ratio_hp_full[tokens]
+            lo_ref, hi_ref = default_bounds(self.algo, device=ratio.device)
+            shadow_mask = tokens.to(mb.loss_mask.dtype)
+            extra.update(M.clip_fraction_sums(ratio_hp_full, mb.advantages, shadow_mask, lo_ref, hi_ref, prefix="hp/"))
+            extra.update(M.clip_fraction_sums(ratio, mb.advantages, shadow_mask, lo_ref, hi_ref, prefix="uncalibrated/"))
+            # FP8 ratio noise: how far the FP8 log-ratio sits from the high-precision one, token by token.
+            noise = (log_ratio(logprobs.detach(), mb.old_logprobs, clamp) - lr_hp).abs()
+            extra.update(M.masked_mean_sums("fp8/log_ratio_abs_err", noise, shadow_mask))
+        tap.stats.add(ratio[tokens], mb.advantages[tokens], ratio_hp=ratio_hp, update=tap.update)
+        return extra
 
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: TrainBatch, ctx) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """0-d loss in global sum form for one micro-batch (its metric sums accumulate in `self.sums`)."""
         if mb.old_logprobs is None or mb.token_weight is None:
             raise ValueError("RL micro-batches need old_logprobs and token_weight")
-        valid = mb.loss_mask > 0
-        bounds = self.fixed_bounds
-        extra: dict[str, torch.Tensor] = {}
-        if self.clipper is not None:
-            index = self.first_micro_batch + ctx.micro_batch_index
-            log_ratio = (logprobs.detach() - mb.old_logprobs).clamp(-20.0, 20.0)
-            ratio_hp = None
-            if mb.logprobs_hp is not None and mb.old_logprobs_hp is not None and self.clipper.wants_shadow(self.step, index):
-                ratio_hp_full = torch.exp((mb.logprobs_hp - mb.old_logprobs_hp).clamp(-20.0, 20.0))
-                ratio_hp = ratio_hp_full[valid]
-                lo_ref = torch.tensor(1.0 - self.algo.policy_loss.eps_low)
-                hi_ref = torch.tensor(1.0 + self.algo.policy_loss.eps_high)
-                extra.update(M.clip_fraction_sums(ratio_hp_full, mb.advantages, mb.loss_mask, lo_ref, hi_ref, prefix="hp/"))
-                extra.update(M.clip_fraction_sums(torch.exp(log_ratio), mb.advantages, mb.loss_mask, lo_ref, hi_ref, prefix="uncalibrated/"))
-                # FP8 ratio noise: how far the FP8 log-ratio sits from the high-precision one, token by token.
-                noise = (log_ratio - (mb.logprobs_hp - mb.old_logprobs_hp).clamp(-20.0, 20.0)).abs()
-                extra.update(M.masked_mean_sums("fp8/log_ratio_abs_err", noise, mb.loss_mask))
-            bounds = self.clipper.update(torch.exp(log_ratio)[valid], mb.advantages[valid], ratio_hp=ratio_hp, group=ctx.group)
+        extra = self._collect(logprobs, mb) if self.tap is not None else {}
         loss, sums = policy_objective(
-            logprobs, mb.old_logprobs, mb.advantages, mb.token_weight, mb.loss_mask, bounds,
+            logprobs, mb.old_logprobs, mb.advantages, mb.token_weight, mb.loss_mask, self.bounds,
             rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy, cfg=self.algo,
             rollout_weight=mb.rollout_weight,
         )

@@ -30,10 +30,10 @@ def score(batch: RolloutBatch, reward_fn: RewardFn, algo: AlgoConfig, max_new_to
     for s in batch.samples:
         s.reward, s.correct = reward_fn(s.response_text, s.answer)
         s.reward = float(s.reward)
-    raw = torch.tensor([s.reward for s in batch.samples], dtype=torch.float64)
+    raw = torch.tensor([s.reward for s in batch.samples], dtype=torch.float64)  # device-ok: host-side rewards
     d = algo.dapo
     if d.overlong_buffer > 0:
-        lengths = torch.tensor([len(s.response_ids) for s in batch.samples], dtype=torch.float64)
+        lengths = torch.tensor([len(s.response_ids) for s in batch.samples], dtype=torch.float64)  # device-ok: host-side
         penalty = overlong_penalty(lengths, d.max_response_length or max_new_tokens, d.overlong_buffer, d.overlong_penalty_factor)
         for s, p in zip(batch.samples, penalty.tolist()):
             s.reward += p
@@ -92,8 +92,8 @@ class GroupCollector:
         self.rounds += 1
         self.n_per_prompt = n
         groups = [batch.samples[i:i + n] for i in range(0, len(batch.samples), n)]
-        rewards = torch.tensor([s.reward for s in batch.samples], dtype=torch.float64)
-        spread = dynamic_sampling_keep(rewards, n) if n > 1 else torch.zeros(len(groups), dtype=torch.bool)
+        rewards = torch.tensor([s.reward for s in batch.samples], dtype=torch.float64)  # device-ok: host-side rewards
+        spread = dynamic_sampling_keep(rewards, n) if n > 1 else torch.zeros(len(groups), dtype=torch.bool)  # device-ok: host-side
         self.generated_groups += len(groups)
         self.no_spread_groups += int((~spread).sum())
         keep = spread if self.dapo.dynamic_sampling else torch.ones_like(spread)
@@ -128,7 +128,7 @@ class GroupCollector:
 
 def advantages(batch: RolloutBatch, algo: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-sample advantages of the step's groups."""
-    rewards = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)
+    rewards = torch.tensor([s.reward for s in batch.samples], dtype=torch.float32)  # device-ok: host-side rewards
     a = algo.advantage
     adv = compute_advantages(rewards, batch.n_per_prompt, a.estimator, std_eps=a.std_eps, unbiased_std=a.unbiased_std)
     return adv, {"adv/abs_mean": float(adv.abs().mean()), "adv/zero_frac": float((adv == 0).float().mean())}

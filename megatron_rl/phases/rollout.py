@@ -31,7 +31,7 @@ class PromptStream:
         for k in range(self.cursor, self.cursor + count):
             epoch, offset = divmod(k, len(self.rows))
             if epoch not in self._perms:
-                self._perms = {epoch: torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed + epoch))}
+                self._perms = {epoch: torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed + epoch))}  # device-ok: seeded host draw
             out.append(self.rows[int(self._perms[epoch][offset])])
         self.cursor += count
         return out

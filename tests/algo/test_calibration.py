@@ -175,56 +175,164 @@ def test_calibrated_bounds_zero_gradient_exactly_for_clipped(seed, alpha):
 
 
 def _cfg(**kw):
+    kw.setdefault("relax_only", False)
     return CalibrationConfig(enabled=True, lower_min=1e-3, upper_max=100.0, **kw)
 
 
-def test_clipper_schedule_targets_and_state():
+def _event(c: CalibratedClipper, r8, a, r_hp=None, parts: int = 1):
+    """The clipper's statistics of one pooled token set, added in `parts` micro-batches."""
+    stats = c.new_stats(reference=r_hp is not None)
+    for idx in torch.arange(r8.numel()).chunk(parts):
+        stats.add(r8[idx], a[idx], ratio_hp=None if r_hp is None else r_hp[idx])
+    return stats
+
+
+def test_clipper_targets_bounds_and_state_round_trip():
     g = torch.Generator().manual_seed(0)
     r_hp = torch.exp(torch.randn(2000, generator=g) * 0.2)
     r8 = r_hp * torch.exp(torch.randn(2000, generator=g) * 0.15)
     a = torch.randn(2000, generator=g)
     c = CalibratedClipper(_cfg(calibrate_every=5, smoothing=0.0), eps_low=0.2, eps_high=0.28)
-    assert [float(x) for x in c.update(r8, a)] == pytest.approx([0.8, 1.28])  # no targets yet
-    assert c.wants_shadow(0, 0) and c.wants_shadow(10, 3) and not c.wants_shadow(3, 0)
-    c.begin_step(0)
-    lo, hi = c.update(r8, a, ratio_hp=r_hp)
+    assert c.solve(_event(c, r8, a)) is None  # FP8 statistics but no targets yet: nothing to solve at
+    assert [float(x) for x in c.bounds()] == pytest.approx([0.8, 1.28])
+    sol = c.solve(_event(c, r8, a, r_hp, parts=3))
     t = reference_targets(r_hp, a, eps_low=0.2, eps_high=0.28)
-    want = calibrate_bounds(r8, a, t, eps_low=0.2, eps_high=0.28, lower_min=1e-3, upper_max=100.0)
-    assert [float(lo), float(hi)] == pytest.approx([float(x) for x in want])
-    # per_calibration: held on other micro-batches
-    assert [float(x) for x in c.update(r8 * 0.5, a)] == pytest.approx([float(lo), float(hi)])
+    assert (c.targets.alpha, c.targets.rho) == (pytest.approx(t.alpha, rel=1e-12), pytest.approx(t.rho, rel=1e-12))
+    want = [float(x) for x in calibrate_bounds(r8, a, t, eps_low=0.2, eps_high=0.28, lower_min=1e-3, upper_max=100.0)]
+    assert [float(x) for x in c.bounds()] == want == [sol.lower, sol.upper]
     m = c.metrics()
     assert m["calib/alpha_achieved"] == pytest.approx(m["calib/alpha_target"], abs=1 / 900)
+    assert CalibratedClipper.solution_metrics(sol)["calib/solve_lower"] == want[0]
+    # a resumed clipper logs exactly what the original logs (issue 13: achieved alpha/rho too) and holds its bounds
     c2 = CalibratedClipper(_cfg(calibrate_every=5, smoothing=0.0), eps_low=0.2, eps_high=0.28)
     c2.load_state_dict(c.state_dict())
-    assert c2.state_dict()["targets"] == c.state_dict()["targets"]
-    assert [float(x) for x in c2.update(r8 * 0.5, a)] == pytest.approx([float(lo), float(hi)])
+    assert c2.metrics() == m and c2.targets == c.targets and c2.last == c.last
+    assert [float(x) for x in c2.bounds()] == want
+    assert torch.equal(c2.generator.get_state(), c.generator.get_state())
 
 
-def test_clipper_ema_and_per_microbatch_static():
+def test_clipper_ema_once_per_solve_and_unsmoothed_solve():
     g = torch.Generator().manual_seed(1)
     a = torch.randn(1000, generator=g)
     r1 = torch.exp(torch.randn(1000, generator=g) * 0.2)
     r2 = torch.exp(torch.randn(1000, generator=g) * 0.4)
-    c = CalibratedClipper(_cfg(target_source="static", static_alpha=0.05, static_rho=1.0, bounds_update="per_microbatch", smoothing=0.5), eps_low=0.2, eps_high=0.28)
+    c = CalibratedClipper(_cfg(target_source="static", static_alpha=0.05, static_rho=1.0, smoothing=0.5), eps_low=0.2, eps_high=0.28)
     t = CalibrationTargets.of(0.05, 1.0)
     kw = dict(eps_low=0.2, eps_high=0.28, lower_min=1e-3, upper_max=100.0)
     b1 = [float(x) for x in calibrate_bounds(r1, a, t, **kw)]
     b2 = [float(x) for x in calibrate_bounds(r2, a, t, previous=tuple(b1), **kw)]
-    assert [float(x) for x in c.update(r1, a)] == pytest.approx(b1)
-    assert [float(x) for x in c.update(r2, a)] == pytest.approx([0.5 * b1[0] + 0.5 * b2[0], 0.5 * b1[1] + 0.5 * b2[1]])
-    assert not c.wants_shadow(0, 0)
+    c.solve(_event(c, r1, a, parts=4))  # the first solve of a run is taken as is
+    assert [float(x) for x in c.bounds()] == pytest.approx(b1)
+    c.solve(_event(c, r2, a, parts=7))  # one EMA update per solve, however many micro-batches fed it
+    assert [float(x) for x in c.bounds()] == pytest.approx([0.5 * b1[0] + 0.5 * b2[0], 0.5 * b1[1] + 0.5 * b2[1]], rel=1e-6)
+    c.solve(_event(c, r1, a), smooth=False)  # per_minibatch pre-pass: the solution itself
+    assert [float(x) for x in c.bounds()] == pytest.approx(b1)
 
 
-def test_shadow_fraction_draw_is_deterministic():
-    c = CalibratedClipper(_cfg(shadow_fraction=0.5, seed=7), eps_low=0.2, eps_high=0.2)
-    draws = [c.wants_shadow(0, mb) for mb in range(200)]
-    again = CalibratedClipper(_cfg(shadow_fraction=0.5, seed=7), eps_low=0.2, eps_high=0.2)
-    assert draws == [again.wants_shadow(0, mb) for mb in range(200)]
-    assert 60 < sum(draws) < 140
+@pytest.mark.parametrize("backend", ["allgather", "histogram"])
+def test_pooled_statistics_equal_one_shot_on_the_concatenation(backend):
+    g = torch.Generator().manual_seed(5)
+    r_hp = torch.exp(torch.randn(1200, generator=g) * 0.25)
+    r8 = r_hp * torch.exp(torch.randn(1200, generator=g) * 0.1)
+    a = torch.randn(1200, generator=g)
+    c = CalibratedClipper(_cfg(backend=backend, smoothing=0.0), eps_low=0.2, eps_high=0.28)
+    reduced = _event(c, r8, a, r_hp, parts=5).reduce(None)
+    want = reference_targets(r_hp, a, eps_low=0.2, eps_high=0.28)
+    assert reduced.targets.alpha == want.alpha and reduced.targets.rho == pytest.approx(want.rho, rel=1e-12)
+    one = gather_ratio_stats(r8, a, backend=backend)
+    assert reduced.fp8.num_neg == one.num_neg and reduced.fp8.lower_quantile(0.1) == one.lower_quantile(0.1)
+    assert reduced.fp8.neg_mass_from(0.9) == pytest.approx(one.neg_mass_from(0.9), rel=1e-12)
+    # a new event starts from its own tokens: the targets describe that event only
+    c.solve(_event(c, r8[:500], a[:500], r_hp[:500]))
+    assert c.targets.alpha == reference_targets(r_hp[:500], a[:500], eps_low=0.2, eps_high=0.28).alpha
+
+
+def test_empty_side_of_an_event_keeps_the_previous_targets():
+    c = CalibratedClipper(_cfg(smoothing=0.0), eps_low=0.2, eps_high=0.28)
+    r = torch.tensor([0.5, 0.7, 0.9, 1.1, 1.3])
+    c.solve(_event(c, r, torch.tensor([-1.0, -1.0, -1.0, 1.0, 1.0]), r))
+    before = c.targets
+    c.solve(_event(c, r[3:], torch.tensor([1.0, 1.0]), r[3:]))  # positives only: alpha and rho say nothing
+    assert (c.targets.alpha, c.targets.rho) == (before.alpha, before.rho)
+
+
+def test_non_finite_tokens_never_reach_the_bounds():
+    c = CalibratedClipper(_cfg(smoothing=0.0), eps_low=0.2, eps_high=0.28)
+    r = torch.tensor([0.5, 0.7, 0.9, 1.1, 1.3, float("nan"), float("inf")])
+    a = torch.tensor([-1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 1.0])
+    hp = torch.tensor([0.6, 0.75, 0.95, 1.1, 1.2, 0.5, float("nan")])
+    stats = c.new_stats(reference=True, record=True)
+    stats.add(r, a, ratio_hp=hp)
+    assert stats.dump_arrays()["ratio"].tolist() == pytest.approx([0.5, 0.7, 0.9, 1.1, 1.3])  # dumps hold the finite ones
+    sol = c.solve(stats)
+    assert all(math.isfinite(x) for x in (sol.lower, sol.upper, c.targets.alpha, c.targets.rho))
+    assert c.targets.alpha == pytest.approx(2 / 3)  # the NaN token is not one of N
+
+
+def test_relax_only_guard_rail_order():
+    # alpha = 0 (the shadow pass clipped nothing): L would be the smallest FP8 ratio, above 1 - eps_low
+    r = torch.tensor([0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2], dtype=torch.float64)
+    a = torch.tensor([-1.0, -1.0, -2.0, -1.0, 1.0, 2.0, 1.0], dtype=torch.float64)
+    t = CalibrationTargets.of(0.0, 0.5)
+    kw = dict(eps_low=0.2, eps_high=0.28, lower_min=0.05, lower_max=1.0, upper_min=1.0, upper_max=10.0)
+    stats = gather_ratio_stats(r, a)
+    tight = solve_bounds(stats, t, relax_only=False, **kw)
+    assert tight.lower == pytest.approx(0.85) and tight.lower_raw == pytest.approx(0.85)
+    relaxed = solve_bounds(stats, t, relax_only=True, **kw)
+    assert relaxed.lower == pytest.approx(0.8, rel=1e-6) and relaxed.lower_raw == pytest.approx(0.85)
+    # H comes from the rule at the relaxed L (C-(0.8) counts every negative token), then relax_only lifts it
+    c_minus = sum(-float(a[i] * r[i]) for i in range(len(r)) if a[i] < 0 and r[i] >= 0.8)
+    raw_h = stats.smallest_upper(0.5 * c_minus)
+    assert relaxed.upper_raw == pytest.approx(raw_h) and raw_h < 1.28
+    assert relaxed.upper == pytest.approx(1.28, rel=1e-6)
+    # clamps act before relax_only: lower_max 0.9 then relax -> 0.8; lower_min above 1 - eps_low cannot win
+    assert solve_bounds(stats, t, relax_only=True, **{**kw, "lower_min": 0.82, "lower_max": 0.9}).lower == pytest.approx(0.8, rel=1e-6)
+    # a widening solve is untouched by relax_only
+    wide = solve_bounds(gather_ratio_stats(r * 0.5, a), CalibrationTargets.of(0.5, 5.0), relax_only=True, **kw)
+    assert wide.lower < 0.8 and wide.lower == pytest.approx(wide.lower_raw, rel=1e-7)
+
+
+def test_plan_decides_events_off_policy_updates_and_rows():
+    from megatron_rl.algo.calibration_plan import CalibrationPlan
+    from megatron_rl.config.train import TrainConfig
+
+    train = TrainConfig(num_minibatches=3, ppo_epochs=2)
+    cfg = _cfg(calibrate_every=4)
+    p0, p1 = CalibrationPlan.build(0, cfg, train, 24), CalibrationPlan.build(1, cfg, train, 24)
+    assert p0.event and p0.shadow and not p1.event and not p1.shadow and not p0.per_minibatch
+    updates = [(e, k) for e in range(2) for k in range(3)]
+    assert [p0.off_policy(e, k) for e, k in updates] == [False] + [True] * 5
+    assert [p0.collects(e, k) for e, k in updates] == [False] + [True] * 5
+    assert not any(p1.collects(e, k) or p1.shadow_forward(e, k) or p1.prepass(e, k) for e, k in updates)
+    assert p0.all_rows and p0.shadow_rows == tuple(range(24))
+    pm = CalibrationPlan.build(1, _cfg(calibrate_every=4, bounds_update="per_minibatch"), train, 24)
+    assert [pm.prepass(e, k) for e, k in updates] == [False] + [True] * 5 and not pm.event
+    static = CalibrationPlan.build(0, _cfg(target_source="static", static_alpha=0.1, static_rho=1.0, shadow_fraction=0.5), train, 24)
+    assert static.event and not static.shadow and static.all_rows  # no shadow pass: every row feeds the solve
+    assert not CalibrationPlan.build(0, CalibrationConfig(), train, 24).event
+
+
+def test_shadow_rows_are_a_seeded_rank_independent_draw():
+    from megatron_rl.algo.calibration_plan import CalibrationPlan
+    from megatron_rl.config.train import TrainConfig
+
+    train = TrainConfig(num_minibatches=2)
+    plans = [CalibrationPlan.build(s, _cfg(shadow_fraction=0.25, seed=7, calibrate_every=1), train, 64) for s in range(4)]
+    again = [CalibrationPlan.build(s, _cfg(shadow_fraction=0.25, seed=7, calibrate_every=1), train, 64) for s in range(4)]
+    assert plans == again  # what every rank computes
+    assert all(len(p.shadow_rows) == 16 and not p.all_rows for p in plans)
+    assert len({p.shadow_rows for p in plans}) == 4  # a fresh draw every step
+    assert CalibrationPlan.build(0, _cfg(shadow_fraction=0.25, seed=8, calibrate_every=1), train, 64).shadow_rows != plans[0].shadow_rows
+    index = torch.tensor([5, plans[0].shadow_rows[0], 63])
+    assert plans[0].row_mask(index, 3).tolist() == [5 in plans[0].shadow_rows, True, 63 in plans[0].shadow_rows]
+    assert len(CalibrationPlan.build(0, _cfg(shadow_fraction=0.01), train, 8).shadow_rows) == 1  # never empty
+    with pytest.raises(ValueError, match="sample_index"):
+        plans[0].row_mask(None, 4)
 
 
 def test_config_errors_name_fields():
+    with pytest.raises(ValueError, match=r"algo\.calibration\.bounds_update=per_microbatch was removed.*per_minibatch"):
+        CalibrationConfig(bounds_update="per_microbatch")
     with pytest.raises(ValueError, match="algo.calibration.static_alpha"):
         CalibrationConfig(target_source="static")
     from megatron_rl.config import RunConfig
@@ -245,22 +353,6 @@ def test_bytes_per_call():
     assert calibration_bytes("allgather", world_size=1, tokens_per_rank=10) == 0
 
 
-def test_clipper_pools_shadow_microbatches_of_a_step():
-    g = torch.Generator().manual_seed(5)
-    r_hp = torch.exp(torch.randn(1200, generator=g) * 0.25)
-    a = torch.randn(1200, generator=g)
-    c = CalibratedClipper(_cfg(), eps_low=0.2, eps_high=0.28)
-    c.begin_step(0)
-    c.update(r_hp[:500], a[:500], ratio_hp=r_hp[:500])
-    c.update(r_hp[500:], a[500:], ratio_hp=r_hp[500:])
-    want = reference_targets(r_hp, a, eps_low=0.2, eps_high=0.28)
-    assert float(c.targets.alpha) == float(want.alpha)
-    assert float(c.targets.rho) == pytest.approx(float(want.rho), rel=1e-12)
-    c.begin_step(20)  # a new step starts a new pool
-    c.update(r_hp[:500], a[:500], ratio_hp=r_hp[:500])
-    assert float(c.targets.alpha) == float(reference_targets(r_hp[:500], a[:500], eps_low=0.2, eps_high=0.28).alpha)
-
-
 def test_make_clipper_and_histogram_backend():
     from megatron_rl.algo.clipper import make_clipper
     from megatron_rl.config.algo import AlgoConfig
@@ -268,14 +360,15 @@ def test_make_clipper_and_histogram_backend():
     assert make_clipper(AlgoConfig()) is None
     cfg = AlgoConfig.model_validate({"policy_loss": {"eps_high": 0.28}, "calibration": {"enabled": True, "backend": "histogram", "smoothing": 0.0}})
     c = make_clipper(cfg)
+    assert c.cfg.relax_only  # the default guard rail
     g = torch.Generator().manual_seed(2)
     r_hp = torch.exp(torch.randn(3000, generator=g) * 0.2)
     r8 = r_hp * torch.exp(torch.randn(3000, generator=g) * 0.1)
     a = torch.randn(3000, generator=g)
-    c.begin_step(0)
-    lo, hi = c.update(r8, a, ratio_hp=r_hp)
-    exact = calibrate_bounds(r8, a, reference_targets(r_hp, a, eps_low=0.2, eps_high=0.28), eps_low=0.2, eps_high=0.28)
-    assert abs(math.log(float(lo)) - math.log(float(exact[0]))) <= HistSpec().width * 1.001
+    sol = c.solve(_event(c, r8, a, r_hp, parts=3))
+    exact = calibrate_bounds(r8, a, reference_targets(r_hp, a, eps_low=0.2, eps_high=0.28), eps_low=0.2, eps_high=0.28,
+                             relax_only=True)
+    assert abs(math.log(sol.lower) - math.log(float(exact[0]))) <= HistSpec().width * 1.001
 
 
 def test_local_collectives_are_identity():

@@ -65,3 +65,20 @@ def test_unknown_key_rejected_and_every_field_documented():
     for model in (AlgoConfig, AdvantageConfig, PolicyLossConfig, CalibrationConfig, KLConfig, RolloutCorrectionConfig, DapoConfig):
         for name, f in model.model_fields.items():
             assert f.description, f"{model.__name__}.{name} has no docstring"
+
+
+@pytest.mark.parametrize("overrides,needles", [
+    (["algo.calibration.enabled=true", "train.num_minibatches=1", "train.ppo_epochs=1"],
+     ["algo.calibration.enabled", "train.num_minibatches", "train.ppo_epochs"]),
+    (["algo.calibration.bounds_update=per_microbatch"], ["algo.calibration.bounds_update", "per_minibatch"]),
+])
+def test_calibration_config_errors_at_load_time(overrides, needles):
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    for needle in needles:
+        assert needle in str(err.value)
+    # one off-policy update is enough, and calibration off needs none
+    load_config(None, ["algo.calibration.enabled=true", "train.num_minibatches=1", "train.ppo_epochs=2"])
+    load_config(None, ["train.num_minibatches=1"])

@@ -54,14 +54,16 @@ def main() -> None:
     rows = torch.stack([r_fp8, adv], dim=1)
     sub, weight = gather_samples(rows, 300, group, torch.Generator().manual_seed(rank))
     out["subsampled_rows"], out["subsampled_weight_sum"] = int(sub.shape[0]), float(weight.sum())
-    clip = CalibratedClipper(
-        CalibrationConfig(enabled=True, bounds_update="per_microbatch", smoothing=0.0, **CLAMPS), eps_low=EPS_LOW, eps_high=EPS_HIGH
-    )
-    clip.begin_step(0)
-    half = r_fp8.numel() // 2
-    b1 = clip.update(r_fp8[:half], adv[:half], ratio_hp=r_hp[:half], group=group)
-    b2 = clip.update(r_fp8[half:], adv[half:], group=group)
-    out["clipper"] = [float(x) for x in (*b1, *b2)]
+    for backend in ("allgather", "histogram"):
+        # one pooled solve: two local "micro-batches" per rank, one reduce over the group
+        clip = CalibratedClipper(CalibrationConfig(enabled=True, smoothing=0.0, backend=backend, **CLAMPS),
+                                 eps_low=EPS_LOW, eps_high=EPS_HIGH)
+        stats = clip.new_stats(reference=True)
+        half = r_fp8.numel() // 2
+        stats.add(r_fp8[:half], adv[:half], ratio_hp=r_hp[:half])
+        stats.add(r_fp8[half:], adv[half:], ratio_hp=r_hp[half:])
+        sol = clip.solve(stats, group)
+        out[f"clipper_{backend}"] = [sol.lower, sol.upper, clip.targets.alpha, clip.targets.rho]
     report(out)
     dist.destroy_process_group()
 

@@ -39,14 +39,15 @@ def test_global_calibration_matches_single_process():
         # capped at 300 rows per rank: the weights still carry the true token count
         assert res["subsampled_rows"] == sum(min(c, 300) for c in w.COUNTS)
         assert res["subsampled_weight_sum"] == pytest.approx(sum(w.COUNTS), rel=1e-9)
-    # the per-microbatch clipper: each micro-batch's statistics are the union of the ranks' halves
-    slices = [r_fp8[w.rank_slice(k, world)] for k in range(world)]
-    halves = [(s.numel() // 2) for s in slices]
-    pick = lambda x, first: torch.cat([x[w.rank_slice(k, world)][: halves[k]] if first else x[w.rank_slice(k, world)][halves[k]:] for k in range(world)])  # noqa: E731
-    clip = CalibratedClipper(CalibrationConfig(enabled=True, bounds_update="per_microbatch", smoothing=0.0, **w.CLAMPS), eps_low=w.EPS_LOW, eps_high=w.EPS_HIGH)
-    clip.begin_step(0)
-    b1 = clip.update(pick(r_fp8, True), pick(adv, True), ratio_hp=pick(r_hp, True))
-    b2 = clip.update(pick(r_fp8, False), pick(adv, False))
-    want = [float(x) for x in (*b1, *b2)]
-    for res in results:
-        assert res["clipper"] == want
+    # the clipper's pooled solve over the group equals one process solving the concatenation
+    for backend in ("allgather", "histogram"):
+        clip = CalibratedClipper(CalibrationConfig(enabled=True, smoothing=0.0, backend=backend, **w.CLAMPS),
+                                 eps_low=w.EPS_LOW, eps_high=w.EPS_HIGH)
+        stats = clip.new_stats(reference=True)
+        stats.add(r_fp8, adv, ratio_hp=r_hp)
+        sol = clip.solve(stats)
+        want = [sol.lower, sol.upper, clip.targets.alpha, clip.targets.rho]
+        for res in results:
+            got = res[f"clipper_{backend}"]
+            assert got[:3] == want[:3], backend
+            assert got[3] == pytest.approx(want[3], rel=1e-12)

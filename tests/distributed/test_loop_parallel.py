@@ -1,36 +1,54 @@
-"""The tiny calibrated RL run under torchrun (gloo) with DP=2 and with TP=2 equals the single-process run.
+"""The tiny calibrated RL run under torchrun (gloo) with DP=2, TP=2, PP=2 and CP=2 equals the single-process run.
 
-Same warm start, seed and global batch; per-step bounds (calib/lower, calib/upper, targets), losses,
-clip fractions and every other logged metric must match the DP=1 run to ~1e-5, and the rollouts
-(all 16 sampled texts of each step) must be identical. The multi-process runs sync weights with the
-other transports (DP=2: `tensor`, TP=2: `distributed` over gloo) while the reference uses `disk`, so
-identical rollouts also show that every transport leaves the engine with the same weights.
+Same warm start, seed and global batch; per-step bounds (calib/lower, calib/upper, targets, the
+unsmoothed solve calib/solve_*), losses, clip fractions and every other logged metric must match the
+DP=1 run to ~1e-5, and the rollouts (all 16 sampled texts of each step) must be identical. The
+calibration state lives on the last pipeline stage, so under PP=2 these metrics come from stage 1 and
+rank 0 (stage 0) only logs them: the PP=2 run is also stopped after its first step and resumed from
+the checkpoint, which must restore the calibrated bounds and every calibration metric (the resumed
+step 1 is not a calibration event, so it logs what the checkpoint holds). The multi-process runs sync
+weights with the other transports (DP=2: `tensor`, TP=2 and PP=2: `distributed` over gloo, under PP=2 from
+both stages' senders) while the reference uses `disk`, so identical rollouts also show that every transport
+leaves the engine with the same weights.
 
-Layout notes. The DP=1 and TP=2 runs use micro-batches of 8 rows; the DP=2 run uses 4 rows per rank,
-so every micro-batch step of the loss sees the same 8 rows globally (the calibration statistics
-are gathered over DP), and `bounds_update=per_microbatch` re-solves the bounds from exactly the
-same token set in all three runs. The learner runs without FP8 here: FP8 quantization is not
+Every run dumps its calibration tokens; an independent implementation of the spec
+(tests/calibration_spec.py) recomputes alpha, rho, L and H of each event from the union of the
+rank files (one per DP x CP rank of the last stage, TP rank 0 only) and must get the logged solve.
+
+Layout notes. The DP=1, TP=2, PP=2 and CP=2 runs use micro-batches of 8 rows; the DP=2 run 4 rows per
+rank. The statistics of a solve pool every off-policy micro-batch of the step and are reduced once,
+so micro-batching does not change them. The learner runs without FP8 here: FP8 quantization is not
 layout-invariant (under TP the 1x128 activation groups of linear_proj cover a 64-wide shard) and
 turns last-bit differences of the DP gradient sum into different FP8 roundings after the first
 update; the calibration machinery (shadow pass, pooled targets, collective solve) runs all the same.
+Without FP8 the shadow and the learner ratios agree, so the solve lands on the reference bounds'
+neighbours; relax_only is off so that those calibrated bounds differ from the defaults at all.
 """
 from __future__ import annotations
 
 import math
+import pickle
+from pathlib import Path
 
 import pytest
 
+from calibration_spec import check_run_dumps
 from rl_runs import comparable, tiny_overrides, train, warm_start
 
-COMMON = ("train.steps=2", "precision.recipe=none", "precision.rollout_quantization=none",
-          "algo.calibration.bounds_update=per_microbatch", "tracking.log_samples=16")
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+STEPS = 3
+COMMON = (f"train.steps={STEPS}", "precision.recipe=none", "precision.rollout_quantization=none",
+          "algo.calibration.calibrate_every=2", "algo.calibration.relax_only=false", "tracking.log_samples=16",
+          "tracking.dump_ratios=true")
+CALIB_KEYS = ("calib/lower", "calib/upper", "calib/alpha_target", "calib/rho_target", "calib/alpha_achieved",
+              "calib/rho_achieved")
 
 
 def _assert_same(reference: list[dict], other: list[dict], name: str) -> None:
     assert [r["step"] for r in other] == [r["step"] for r in reference], name
     for ref, got in zip(reference, other):
         ref, got = comparable(ref), comparable(got)
-        assert sorted(got) == sorted(ref), f"{name}: metric keys differ"
+        assert sorted(got) == sorted(ref), f"{name}: metric keys differ: {sorted(set(got) ^ set(ref))}"
         for key, want in ref.items():
             have = got[key]
             if isinstance(want, float) and isinstance(have, float):
@@ -40,18 +58,47 @@ def _assert_same(reference: list[dict], other: list[dict], name: str) -> None:
                 assert have == want, f"{name} step {ref['step']}: {key} = {str(have)[:200]}, single process {str(want)[:200]}"
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_dp2_and_tp2_match_single_process(tmp_path_factory, tmp_path):
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """(warm start, rows of the single-process reference run)."""
     warm = warm_start(tmp_path_factory)
-    single = train(tmp_path / "dp1", tiny_overrides(warm, *COMMON, "train.micro_batch_size=8"))
+    run_dir = tmp_path_factory.mktemp("loop") / "dp1"
+    rows = train(run_dir, tiny_overrides(warm, *COMMON, "train.micro_batch_size=8"))
     # the comparison must be about calibrated bounds, not the defaults 1 - eps_low / 1 + eps_high
-    assert any(abs(r["calib/lower"] - 0.8) > 1e-3 for r in single)
-    assert all(r["groups/no_spread_frac"] < 1.0 for r in single)
-    dp2 = train(tmp_path / "dp2", tiny_overrides(warm, *COMMON, "train.micro_batch_size=4",
-                                                 "rollout.weight_sync.transport=tensor"), nproc=2)
-    _assert_same(single, dp2, "DP=2")
-    tp2 = train(tmp_path / "tp2", tiny_overrides(warm, *COMMON, "train.micro_batch_size=8",
-                                                 "parallel.tensor_model_parallel_size=2",
-                                                 "rollout.weight_sync.transport=distributed"), nproc=2)
-    _assert_same(single, tp2, "TP=2")
+    assert any(abs(r["calib/lower"] - 0.8) > 1e-3 or abs(r["calib/upper"] - 1.2) > 1e-3 for r in rows)
+    assert all(r["groups/no_spread_frac"] < 1.0 for r in rows)
+    assert all(math.isfinite(r[k]) for r in rows for k in CALIB_KEYS)
+    assert [("calib/solve_lower" in r) for r in rows] == [True, False, True]  # events at steps 0 and 2
+    assert check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False) == [0, 2]
+    return warm, rows
+
+
+@pytest.mark.parametrize("layout,overrides,dump_ranks", [
+    ("DP=2", ("train.micro_batch_size=4", "rollout.weight_sync.transport=tensor"), 2),
+    ("TP=2", ("train.micro_batch_size=8", "parallel.tensor_model_parallel_size=2",
+              "rollout.weight_sync.transport=distributed"), 1),
+    ("CP=2", ("train.micro_batch_size=8", "parallel.context_parallel_size=2"), 2),
+])
+def test_layout_matches_single_process(single, tmp_path, layout, overrides, dump_ranks):
+    warm, reference = single
+    rows = train(tmp_path / "run", tiny_overrides(warm, *COMMON, *overrides), nproc=2)
+    _assert_same(reference, rows, layout)
+    assert check_run_dumps(tmp_path / "run", rows, ranks=dump_ranks, eps_low=0.2, eps_high=0.2, relax_only=False) == [0, 2]
+
+
+def test_pp2_matches_single_process_and_resumes_calibrated(single, tmp_path):
+    from megatron_rl.trainer.checkpoint import RL_STATE_FILE, latest_checkpoint
+
+    warm, reference = single
+    run_dir = tmp_path / "pp2"
+    pp = tiny_overrides(warm, *COMMON, "train.micro_batch_size=8", "parallel.pipeline_model_parallel_size=2",
+                        "rollout.weight_sync.transport=distributed")
+    first = train(run_dir, [*pp, "train.steps=1"], nproc=2)  # stops after step 0 (an event) with a checkpoint
+    held = pickle.loads((Path(latest_checkpoint(run_dir / "checkpoints")) / RL_STATE_FILE).read_bytes())["clipper"]
+    # what rank 0 checkpointed is the last stage's calibrated state, not stage 0's defaults
+    assert (held["lower"], held["upper"]) == (first[0]["calib/lower"], first[0]["calib/upper"])
+    assert (held["lower"], held["upper"]) != pytest.approx((0.8, 1.2))
+    rows = train(run_dir, pp, nproc=2)  # resumes at step 1
+    _assert_same(reference, rows, "PP=2 (resumed after step 0)")
+    assert all(math.isfinite(rows[1][k]) for k in CALIB_KEYS)  # nothing calibration logs is lost by a resume
+    assert check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False) == [0, 2]

@@ -1,0 +1,152 @@
+"""An independent implementation of one Calibrated Clipping solve, written from docs/CALIBRATED_CLIPPING.md
+(section 2) in plain numpy: it never calls megatron_rl's solver, statistics or collectives.
+
+    sol = spec_solve(ratio, ratio_hp, adv, eps_low=0.2, eps_high=0.2)   # arrays over the pooled token set
+    sol.alpha, sol.rho, sol.lower_raw, sol.lower, sol.upper_raw, sol.upper
+
+Definitions used (N = {A < 0}, P = {A > 0}; A = 0 tokens belong to neither):
+- alpha = |{t in N : r_hp < 1 - eps_low}| / |N|;
+- rho = C+_hp(1 + eps_high) / C-_hp(1 - eps_low), C+(H) = sum_{P, r <= H} A r, C-(L) = sum_{N, r >= L} |A| r,
+  summed exactly (rational arithmetic), so "C+(H) / C-(L) >= rho" is decided without rounding;
+- L_raw = the k-th smallest FP8 negative ratio, k = floor(alpha |N|) + 1 = n_below + 1 (counted exactly: the
+  FP8 and high-precision ratios describe the same tokens, so |N| is the same count); when k > |N| no
+  ratio qualifies and L_raw lies just above the largest (the project's documented convention: * (1 + 1e-6));
+- guard rails in the documented order: clamp L to [lower_min, lower_max], relax_only L <= 1 - eps_low;
+  H_raw = the smallest H >= 1 (1 or a positive FP8 ratio) with C+_fp8(H) >= rho * C-_fp8(L), the largest
+  positive ratio when no H reaches it; clamp H to [upper_min, upper_max], relax_only H >= 1 + eps_high;
+- bounds are reported in float32, the precision the loss compares ratios in.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+
+class SpecSolution(NamedTuple):
+    """The unsmoothed solution of one calibration event."""
+
+    alpha: float
+    rho: float
+    lower_raw: float
+    lower: float
+    upper_raw: float
+    upper: float
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _exact_sum(a: np.ndarray, r: np.ndarray) -> Fraction:
+    """sum(a * r) in exact rational arithmetic over the float64 values."""
+    return sum((Fraction(float(x)) * Fraction(float(y)) for x, y in zip(a, r)), Fraction(0))
+
+
+def spec_solve(ratio: np.ndarray, ratio_hp: np.ndarray, adv: np.ndarray, *, eps_low: float, eps_high: float,
+               lower_min: float = 0.05, lower_max: float = 1.0, upper_min: float = 1.0, upper_max: float = 10.0,
+               relax_only: bool = True, previous: Optional[tuple[float, float]] = None) -> SpecSolution:
+    """alpha, rho, L and H of one pooled token set, from the spec."""
+    ratio, ratio_hp, adv = (np.asarray(x, dtype=np.float64).reshape(-1) for x in (ratio, ratio_hp, adv))
+    neg, pos = adv < 0, adv > 0
+    lo_ref, hi_ref = 1.0 - eps_low, 1.0 + eps_high
+    prev_lo, prev_hi = previous if previous is not None else (lo_ref, hi_ref)
+    n_neg = int(neg.sum())
+    n_below = int((ratio_hp[neg] < lo_ref).sum())
+    alpha = n_below / n_neg if n_neg else 0.0
+    # masses are summed exactly (Fractions of the float64 values): "C+ >= rho C-" is decided without rounding,
+    # so a tie (the same data in both passes) is a tie whatever the summation order
+    c_plus_hp = _exact_sum(adv[pos & (ratio_hp <= hi_ref)], ratio_hp[pos & (ratio_hp <= hi_ref)])
+    c_minus_hp = _exact_sum(-adv[neg & (ratio_hp >= lo_ref)], ratio_hp[neg & (ratio_hp >= lo_ref)])
+    if c_minus_hp > 0:
+        rho = float(c_plus_hp / c_minus_hp)
+    else:
+        rho = math.inf if c_plus_hp > 0 else 0.0
+
+    negs = np.sort(ratio[neg])
+    if n_neg == 0:
+        lower_raw, lower = math.nan, prev_lo
+    else:
+        k = n_below + 1
+        lower_raw = float(negs[k - 1]) if k <= n_neg else float(negs[-1]) * (1.0 + 1e-6)
+        lower = lower_raw
+    lower = min(max(lower, lower_min), lower_max)
+    if relax_only:
+        lower = min(lower, lo_ref)
+    lower = _f32(lower)
+
+    c_minus = _exact_sum(-adv[neg & (ratio >= lower)], ratio[neg & (ratio >= lower)])
+    upper_raw = math.nan
+    if pos.any() and c_minus > 0:
+        # smallest H in {1} u {positive ratios > 1} with C+(H) / C-(L) >= rho, i.e. C+(H) C-_hp >= C+_hp C-(L)
+        order = np.argsort(ratio[pos], kind="stable")
+        pr, pa = ratio[pos][order], adv[pos][order]
+        cum, i = Fraction(0), 0
+        for h in [1.0] + sorted({float(x) for x in pr if x > 1.0}):
+            while i < len(pr) and pr[i] <= h:
+                cum += Fraction(float(pa[i])) * Fraction(float(pr[i]))
+                i += 1
+            if c_minus_hp > 0:
+                reached = cum * c_minus_hp >= c_plus_hp * c_minus
+            else:
+                reached = c_plus_hp == 0  # rho = 0 is reached at once, rho = inf never
+            if reached:
+                upper_raw = h
+                break
+        else:
+            upper_raw = max(1.0, float(pr.max()))
+    upper = prev_hi if math.isnan(upper_raw) else upper_raw
+    upper = min(max(upper, upper_min), upper_max)
+    if relax_only:
+        upper = max(upper, hi_ref)
+    return SpecSolution(alpha, rho, lower_raw, lower, upper_raw, _f32(upper))
+
+
+def load_dumps(run_dir, step: int) -> tuple[int, dict[str, np.ndarray]]:
+    """(number of rank files, their arrays concatenated) of `step`'s ratio dumps under run_dir/calibration."""
+    from pathlib import Path
+
+    files = sorted((Path(run_dir) / "calibration").glob(f"step_{step:06d}.rank*.npz"))
+    parts = [dict(np.load(f)) for f in files]
+    keys = ("ratio", "ratio_hp", "adv", "minibatch")
+    return len(files), {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0) for k in keys}
+
+
+def check_run_dumps(run_dir, rows: list[dict], *, ranks: int, eps_low: float, eps_high: float, hist_width: float = 0.0,
+                    **clamps) -> list[int]:
+    """Recompute every dumped step's solve with `spec_solve` and compare with its metrics row; returns the checked steps.
+
+    Exact for the allgather backend. For the histogram backend pass its bin width (in log r): alpha and rho are
+    still exact (their sums are), L must lie within one bin of the order statistic, and H is only checked to
+    respect the guard rails (it comes from the histogram's own C+ at its own L).
+    """
+    checked = []
+    previous = (1.0 - eps_low, 1.0 + eps_high)
+    for row in rows:
+        n_files, d = load_dumps(run_dir, row["step"])
+        if n_files:
+            assert n_files == ranks, f"step {row['step']}: {n_files} dump files, expected one per DP x CP rank ({ranks})"
+            assert d["ratio"].dtype == np.float64 and d["minibatch"].dtype == np.int64
+            assert (d["minibatch"] > 0).all(), "the on-policy first update never feeds a solve"
+            want = spec_solve(d["ratio"], d["ratio_hp"], d["adv"], eps_low=eps_low, eps_high=eps_high,
+                              previous=previous, **clamps)
+            both_signs = (d["adv"] < 0).any() and (d["adv"] > 0).any()
+            if both_signs:
+                step = row["step"]
+                assert row["calib/alpha_target"] == want.alpha, (step, row["calib/alpha_target"], want.alpha)
+                assert math.isclose(row["calib/rho_target"], want.rho, rel_tol=1e-9), (step, row["calib/rho_target"], want.rho)
+                if hist_width:
+                    assert abs(math.log(row["calib/solve_lower_raw"]) - math.log(want.lower_raw)) <= hist_width * 1.001, \
+                        (step, row["calib/solve_lower_raw"], want.lower_raw)
+                    assert clamps.get("upper_min", 1.0) <= row["calib/solve_upper"] <= clamps.get("upper_max", 10.0)
+                else:
+                    assert row["calib/solve_lower"] == want.lower, (step, row["calib/solve_lower"], want.lower)
+                    assert row["calib/solve_lower_raw"] == want.lower_raw, (step, row["calib/solve_lower_raw"], want.lower_raw)
+                    assert row["calib/solve_upper"] == want.upper, (step, row["calib/solve_upper"], want.upper)
+                    if row["calib/solve_upper_raw"] is not None or not math.isnan(want.upper_raw):
+                        assert row["calib/solve_upper_raw"] == want.upper_raw, (step, row["calib/solve_upper_raw"], want.upper_raw)
+                checked.append(step)
+        previous = (row["calib/lower"], row["calib/upper"])
+    return checked

@@ -1,0 +1,99 @@
+"""The log-probs phase and StepCalibration do exactly what the CalibrationPlan names (a recording fake learner,
+world of one): shadow forwards only on the shadow rows (their cost falls with shadow_fraction), the per_minibatch
+pre-pass on off-policy updates only, the on-policy first update never feeding a solve."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_rl.algo.calibration_plan import CalibrationPlan
+from megatron_rl.algo.clipper import CalibratedClipper
+from megatron_rl.config import load_config
+from megatron_rl.parallel import state
+from megatron_rl.phases import batching, logprobs
+from megatron_rl.phases.calibrate import StepCalibration
+from megatron_rl.precision import high_precision_active
+from megatron_rl.types import TrainBatch
+
+
+class RecordingLearner:
+    """forward_logprobs returns a fixed function of each row's tokens (different in high precision) and records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, list[int]]] = []
+
+    def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int):
+        assert batch.batch_size % micro_batch_size == 0, "forwards run whole micro-batches"
+        hp = high_precision_active()
+        self.calls.append((hp, batch.sample_index.tolist()))
+        lp = -(batch.input_ids.float() % 7) / 10 - (0.01 if hp else 0.0)
+        return lp, torch.zeros_like(lp)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    for name, value in (("dp_rank", 0), ("dp_size", 1), ("cp_rank", 0), ("cp_size", 1), ("tp_rank", 0), ("pp_size", 1)):
+        monkeypatch.setattr(state, name, lambda value=value: value)
+    monkeypatch.setattr(state, "is_last_stage", lambda: True)
+    monkeypatch.setattr(state, "dp_group", lambda: None)
+    monkeypatch.setattr(state, "dp_cp_group", lambda: None)
+
+
+def _batch(rows: int = 16, seq: int = 10) -> TrainBatch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (rows, seq), generator=g)
+    mask = (torch.arange(seq)[None] >= 3).float().expand(rows, seq).contiguous()
+    adv = torch.randn(rows, 1, generator=g).expand(rows, seq) * mask
+    return TrainBatch(ids, ids, mask, adv, torch.zeros(rows, seq), sample_index=torch.arange(rows))
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["algo.calibration.enabled=true", "algo.calibration.calibrate_every=2", "train.num_minibatches=2",
+                              "train.micro_batch_size=4", *overrides])
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_shadow_old_logprobs_run_on_the_shadow_rows_only(world_of_one, fraction):
+    cfg = _cfg(f"algo.calibration.shadow_fraction={fraction}")
+    batch = _batch()
+    plan = CalibrationPlan.build(0, cfg.algo.calibration, cfg.train, batch.batch_size)
+    learner = RecordingLearner()
+    out, metrics = logprobs.old_logprobs(learner, batch, 4, plan=plan)
+    hp_rows = [rows for hp, rows in learner.calls if hp]
+    assert len(hp_rows) == 1 and set(hp_rows[0]) == set(plan.shadow_rows)  # padded with repeats of a shadow row
+    assert len(hp_rows[0]) == -(-len(plan.shadow_rows) // 4) * 4
+    assert len(plan.shadow_rows) == round(16 * fraction)
+    want_hp = -(batch.input_ids.float() % 7) / 10 - 0.01
+    chosen = torch.tensor([i in plan.shadow_rows for i in range(16)])
+    assert torch.equal(out.old_logprobs_hp[chosen], want_hp[chosen]) and (out.old_logprobs_hp[~chosen] == 0).all()
+    assert metrics["fp8/logprob_abs_err_mean"] == pytest.approx(0.01)
+    # an ordinary step runs no shadow forward at all
+    learner.calls.clear()
+    logprobs.old_logprobs(learner, batch, 4, plan=CalibrationPlan.build(1, cfg.algo.calibration, cfg.train, 16))
+    assert [hp for hp, _ in learner.calls] == [False]
+
+
+@pytest.mark.parametrize("mode", ["per_calibration", "per_minibatch"])
+def test_step_calibration_follows_the_plan(world_of_one, mode):
+    cfg = _cfg(f"algo.calibration.bounds_update={mode}", "algo.calibration.shadow_fraction=0.5",
+               "algo.calibration.target_source=static", "algo.calibration.static_alpha=0.1", "algo.calibration.static_rho=1.0")
+    clipper = CalibratedClipper(cfg.algo.calibration, eps_low=0.2, eps_high=0.2)
+    batch = _batch()
+    batch = batch.with_fields(old_logprobs=-(batch.input_ids.float() % 5) / 10)
+    for step in (0, 1):
+        plan = CalibrationPlan.build(step, cfg.algo.calibration, cfg.train, 16)
+        learner = RecordingLearner()
+        calib = StepCalibration(clipper, plan, cfg, "/nonexistent")
+        taps = []
+        for k, mb in enumerate(batching.minibatches(batch, 2, seed=step)):
+            mb, bounds, tap = calib.before_update(learner, mb, 0, k)
+            taps.append(tap)
+        prepasses = [rows for hp, rows in learner.calls if not hp]
+        assert not any(hp for hp, _ in learner.calls)  # static targets: no shadow forward
+        # a pre-pass only before the off-policy update, only under per_minibatch, over the whole mini-batch
+        assert [len(r) for r in prepasses] == ([8] if mode == "per_minibatch" else [])
+        # only an event's off-policy update feeds the step's statistics
+        assert taps[0] is None and (taps[1] is not None) == (step == 0)
+        assert calib.finish()["calib/alpha_target"] == 0.1
