@@ -11,4 +11,6 @@ if [ $# -gt 0 ] && [[ "$1" != *=* ]]; then
   config=$1
   shift
 fi
+# The same bits on every x86-64 machine: torch's and MKL's AVX2 kernel paths (megatron_rl/cpu_kernels.py says why).
+eval "$(.venv/bin/python -m megatron_rl.cpu_kernels)"
 exec .venv/bin/megatron-rl train "$config" "$@"

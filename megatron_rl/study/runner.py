@@ -24,13 +24,15 @@ import numpy as np
 import yaml
 
 from megatron_rl.config.run import config_record
+from megatron_rl.cpu_kernels import pinned_env
 from megatron_rl.study import results
 from megatron_rl.study.spec import Study, StudyError, as_overrides
 
 
 def child_env(study: Study) -> dict[str, str]:
-    """Environment of a run: the spec's CPU threads per process, this package importable."""
-    env = dict(os.environ)
+    """Environment of a run: the spec's CPU threads per process, pinned CPU kernels (megatron_rl/cpu_kernels.py),
+    this package importable."""
+    env = pinned_env(os.environ)
     env["OMP_NUM_THREADS"] = str(study.spec.torch_threads)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
