@@ -201,3 +201,23 @@ def test_smoke_study_runs_resumes_and_skips(tmp_path):
     assert len(results.read_rows(run)) == 2 and final.exists()
     attempts = [json.loads(x) for x in (run / results.ATTEMPTS_FILE).read_text().splitlines()]
     assert [a["resumed_from_step"] for a in attempts] == [0, 1]
+
+
+@pytest.mark.parametrize("spec", sorted((REPO / "examples" / "studies").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_study_loads(spec):
+    study = load_study(spec)
+    assert study.runs()
+
+
+def test_search_stages_reuse_the_earlier_stages_runs():
+    """docs/RESULTS.md's search: each stage shares the previous stage's directory and leaves its runs' configs
+    unchanged, so the runner skips them instead of refusing the directory."""
+    stages = [load_study(REPO / "examples" / "studies" / name)
+              for name in ("search1_screen.yaml", "search2_seeds.yaml", "search3_per_minibatch.yaml")]
+    for earlier, later in zip(stages, stages[1:]):
+        assert later.out == earlier.out
+        warm_e, warm_l = earlier.warm_overrides(), later.warm_overrides()
+        assert warm_e == warm_l
+        for arm, seed in earlier.runs():
+            assert (arm, seed) in later.runs()
+            assert earlier.run_config(arm, seed, warm_e) == later.run_config(arm, seed, warm_l), (arm, seed)
