@@ -232,3 +232,73 @@ def test_one_step_off_runs_ahead_and_resumes_with_its_in_flight_batch(warm, tmp_
     assert [r["step"] for r in resumed] == [0, 1, 2]
     assert comparable(resumed[2]) == comparable(reference[2])
     assert read_rows(run)[2]["samples"] == reference[2]["samples"]
+
+
+# ------------------------------------------------------------------------------------------------ weighted statistics
+def _tokens(n=400, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ratio = torch.exp(0.2 * torch.randn(n, generator=g, dtype=torch.float64))
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    ratio_hp = ratio * torch.exp(0.05 * torch.randn(n, generator=g, dtype=torch.float64))
+    return ratio, adv, ratio_hp
+
+
+def _summary(stats):
+    fp8, t = stats.fp8, stats.targets
+    return (round(t.alpha, 12), round(t.rho, 12), fp8.num_neg, fp8.num_pos, fp8.lower_quantile(0.1),
+            round(fp8.neg_mass_from(0.9), 9), round(fp8.pos_mass_to(1.1), 9), fp8.smallest_upper(fp8.pos_mass_to(1.05)))
+
+
+@pytest.mark.parametrize("backend", ["allgather", "histogram"])
+def test_weighted_ratio_statistics_count_each_token_weight_times(backend):
+    """one_step_off weighs calibration tokens by their rollout-correction weight: weight k == the token added k times,
+    all-ones == unweighted, and weighted statistics refuse tokens without weights."""
+    from megatron_rl.algo.calibration import RatioStats
+
+    ratio, adv, ratio_hp = _tokens()
+    reps = (torch.arange(ratio.numel()) % 3).to(torch.float64)  # weights 0, 1, 2
+    weighted = RatioStats(backend, reference=True, weighted=True)
+    weighted.add(ratio, adv, ratio_hp=ratio_hp, weight=reps)
+    repeated = RatioStats(backend, reference=True)
+    idx = torch.repeat_interleave(torch.arange(ratio.numel()), reps.long())
+    repeated.add(ratio[idx], adv[idx], ratio_hp=ratio_hp[idx])
+    assert _summary(weighted.reduce()) == _summary(repeated.reduce())
+    ones = RatioStats(backend, reference=True, weighted=True)
+    ones.add(ratio, adv, ratio_hp=ratio_hp, weight=torch.ones_like(ratio))
+    plain = RatioStats(backend, reference=True)
+    plain.add(ratio, adv, ratio_hp=ratio_hp)
+    assert _summary(ones.reduce()) == _summary(plain.reduce())
+    assert _summary(weighted.reduce()) != _summary(plain.reduce())
+    with pytest.raises(ValueError, match="one weight per token"):
+        weighted.add(ratio, adv, ratio_hp=ratio_hp)
+
+
+def test_the_loss_adds_stale_tokens_with_their_correction_weight():
+    """RLLoss's calibration tap passes the TIS weight of each token (what the loss multiplies it by) to weighted stats."""
+    from megatron_rl.algo.calibration import RatioStats
+    from megatron_rl.algo.calibration_plan import CalibrationPlan
+    from megatron_rl.phases.loss import CalibrationTap, RLLoss, correction_weight
+    from megatron_rl.types import TrainBatch
+
+    cfg = load_config(CONFIG, ["rollout.overlap=one_step_off"])
+    g = torch.Generator().manual_seed(1)
+    B, S = 4, 6
+    mask = torch.ones(B, S)
+    old = -torch.rand(B, S, generator=g) - 0.1
+    mb = TrainBatch(input_ids=torch.zeros(B, S, dtype=torch.long), labels=torch.zeros(B, S, dtype=torch.long),
+                    loss_mask=mask, advantages=torch.randn(B, S, generator=g), old_logprobs=old,
+                    rollout_logprobs=old - 0.5 * torch.rand(B, S, generator=g), token_weight=mask / mask.sum(),
+                    sample_index=torch.arange(B))
+    w = correction_weight(mb, cfg.algo)
+    assert float((w - 1).abs().max()) > 0.05 and float(w.max()) <= cfg.algo.rollout_correction.tis_cap
+    plan = CalibrationPlan.build(0, cfg.algo.calibration, cfg.train, B)
+    calls = []
+
+    class Recording(RatioStats):
+        def add(self, ratio, adv, **kw):
+            calls.append(kw["weight"])
+            super().add(ratio, adv, **kw)
+
+    stats = Recording("allgather", weighted=True)
+    RLLoss(cfg.algo, tap=CalibrationTap(plan, stats, 1))(old + 0.01, torch.zeros(B, S), mb, None)
+    assert torch.equal(calls[0], w[mask > 0].to(calls[0].dtype))

@@ -12,12 +12,13 @@ ahead, in a background thread on the controller while the previous step trains (
 one_step_off: step t+1 is generated while step t trains, so it samples with the weights the engines
 hold then, version t (the last synced), and trains on the learner's version t+1: a lag of one
 version (the first step of a run has none). Every sample carries the engine-reported weight_version;
-`rollout/staleness` logs the learner's version minus the oldest sample version of the step. The lag
-needs no special path in the algorithm: the learner recomputes pi_old on the batch with its current
-weights, so the rollout-vs-learner mismatch (rollout_logprobs vs old_logprobs) that TIS/MIS corrects
-includes it, while the PPO ratio pi_theta / pi_old, and with it Calibrated Clipping's ratio statistics,
-stays anchored at the learner's own pi_old (in high precision the first update's ratios are exactly 1,
-as the CalibrationPlan assumes); the calibration tokens are the same stale samples the loss trains on.
+`rollout/staleness` logs the learner's version minus the oldest sample version of the step. The learner
+recomputes pi_old on the batch with its current weights, so the lag lands where off-policy data belongs:
+in the rollout correction (TIS/MIS on rollout_logprobs vs old_logprobs, `mismatch_abs_dlogp`), and, through
+it, in Calibrated Clipping's ratio statistics, where every token counts with the correction weight the loss
+gives it (phases/loss.py `correction_weight`, RatioStats(weighted=True)), so alpha, rho and the L/H solve
+describe the token mix the objective trains on. The PPO ratio stays pi_theta / pi_old (in high precision
+the first update's ratios are exactly 1, as the CalibrationPlan assumes).
 The generation must end before the weight sync (a paused engine aborts in-flight requests, and a
 sample must never mix versions): `settle` waits for it, and its wait is the `rollout_wait` timer.
 
