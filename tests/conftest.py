@@ -168,3 +168,19 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     else:
         print(message, file=sys.stderr)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group(request):
+    """Fail the test that leaves torch.distributed initialised (and tear it down), instead of the next one that inits it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        finally:
+            dist.destroy_process_group()
+        pytest.fail(f"{request.node.nodeid} left the default process group initialised", pytrace=False)

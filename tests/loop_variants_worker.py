@@ -29,20 +29,29 @@ FAST = ("precision.recipe=none", "precision.rollout_quantization=none", "algo.ca
 
 def poison_step_one():
     """Make the RL loss of step 1's first loss call NaN (every other call is untouched); returns the undo function."""
+    from megatron_rl import loop
     from megatron_rl.phases import loss
 
-    original = loss.RLLoss.__call__
-    fired = []
+    original_call, original_train = loss.RLLoss.__call__, loop.train_on_batch
+    current_step, fired = [], []
+
+    def train_on_batch(session, batch, step, timers):
+        current_step[:] = [step]  # the loss does not know its step: the loop's step function does
+        return original_train(session, batch, step, timers)
 
     def call(self, *args, **kwargs):
-        value, extra = original(self, *args, **kwargs)
-        if self.step == 1 and not fired:
+        value, extra = original_call(self, *args, **kwargs)
+        if current_step == [1] and not fired:
             fired.append(True)
             value = value * float("nan")
         return value, extra
 
-    loss.RLLoss.__call__ = call
-    return lambda: setattr(loss.RLLoss, "__call__", original)
+    loss.RLLoss.__call__, loop.train_on_batch = call, train_on_batch
+
+    def undo() -> None:
+        loss.RLLoss.__call__, loop.train_on_batch = original_call, original_train
+
+    return undo
 
 
 def main() -> None:

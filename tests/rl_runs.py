@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from filelock import FileLock
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = REPO_ROOT / "examples" / "configs" / "tiny_fp8_grpo.yaml"
 
@@ -32,7 +34,16 @@ def cli_env() -> dict[str, str]:
 
 def warm_start(tmp_path_factory) -> Path:
     """Directory holding data/ (train, eval, tokenizer) and sft/hf of a short SFT warm start; built once per session."""
-    warm = tmp_path_factory.getbasetemp() / "tiny_warm_start"
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest-xdist: one warm start for all workers, built by the first
+        base = base.parent
+    warm = base / "tiny_warm_start"
+    with FileLock(str(base / "tiny_warm_start.lock")):
+        _build_warm_start(warm)
+    return warm
+
+
+def _build_warm_start(warm: Path) -> None:
     if not (warm / "sft" / "hf" / "model.safetensors").exists():
         # 200 SFT steps leave the model right on some prompts, so GRPO groups have reward spread
         # (both advantage signs, every calibration metric defined) from the first step.
@@ -40,7 +51,6 @@ def warm_start(tmp_path_factory) -> Path:
                "data.num_train_prompts=200", "data.num_eval_prompts=8"]
         proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"warm start failed:\n{proc.stderr[-4000:]}"
-    return warm
 
 
 def tiny_overrides(warm: Path, *extra: str) -> list[str]:
