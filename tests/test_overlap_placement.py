@@ -195,7 +195,12 @@ def test_colocated_run_releases_before_training_and_serves_the_learners_weights(
                                                    f"rollout.urls=[{engine.url}]", "rollout.placement=colocated"))
         events = RolloutClient(engine.url).server_info_sync()[0]["events"]
         ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
-        expected, _ = rollout_payload(dict(iter_megatron_as_hf(ckpt, checkpoint_architecture(ckpt))), cfg.precision)
+        try:  # the reader gives this process a world of one for megatron's loader
+            expected, _ = rollout_payload(dict(iter_megatron_as_hf(ckpt, checkpoint_architecture(ckpt))), cfg.precision)
+        finally:
+            from megatron_rl.parallel.state import destroy_distributed
+
+            destroy_distributed()
         served = {}
         for name in expected:
             status, body = post(engine.url, "/get_weights_by_name", {"name": name, "truncate_size": 1 << 30})
