@@ -15,7 +15,7 @@ from megatron_rl.algo.metrics import add_sums, finalize_metrics
 from megatron_rl.config import RunConfig
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import broadcast_from_controller, reduce_loss_sums
-from megatron_rl.phases import batching, health, logprobs, reward, rollout, weights
+from megatron_rl.phases import batching, health, logprobs, overlap, placement, reward, rollout, weights
 from megatron_rl.phases.calibrate import StepCalibration
 from megatron_rl.phases.loss import RLLoss, with_sequence_rollout_weights
 from megatron_rl.runtime import RunSession, checkpoint_root, finished_run, open_session, save
@@ -88,19 +88,26 @@ def run(cfg: RunConfig) -> dict:
     writer = MetricsWriter(session.run_dir, cfg.tracking.jsonl, cfg.tracking.tensorboard,
                            resume_step=session.start_step if session.start_step else None,
                            sinks=open_sinks(cfg, session.run_dir)) if is_controller else None
+    rollouts = overlap.RolloutSchedule(cfg.rollout.overlap, lambda s, t: controller_rollout(session, s, t),
+                                       pending=session.rl_state.get("pending_rollout"), enabled=is_controller)
+    memory = placement.EngineMemory(session.transport, cfg.rollout.placement, enabled=is_controller)
     try:
         weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step)
         eval_before = session.rl_state.get("eval_before", evaluate(session)) if session.start_step else evaluate(session)
         progress = Progress(cfg.train.steps, session.start_step, enabled=is_controller and cfg.tracking.progress_bar)
         verdict = health.Verdict(ok=True)
         for step in range(session.start_step, cfg.train.steps):
-            batch, metrics, shown = controller_rollout(session, step, timers) if is_controller else (None, {}, [])
+            batch, metrics, shown = rollouts.batch(step, timers)
+            rollouts.prefetch(step + 1, cfg.train.steps)  # one_step_off: step+1 generates (weights v=step) while this step trains
+            memory.release(timers)  # colocated: the engines free the devices before any rank trains
             batch = broadcast_from_controller(batch)
             metrics.update(train_on_batch(session, batch, step, timers))
             with timers("health"):
                 verdict = session.health.check(session.learner, batch, cfg.train.micro_batch_size, metrics, step,
                                                checkpoint_root(session))
                 metrics.update(verdict.metrics)
+            metrics.update(rollouts.settle(timers))  # generation ahead ends before the engines' weights change
+            memory.resume(timers)  # colocated: engines take their memory (last synced weights) back
             if verdict.ok:  # an unhealthy step's weights never reach the engines
                 with timers("weight_sync"):
                     metrics.update(weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=step + 1))
@@ -113,7 +120,7 @@ def run(cfg: RunConfig) -> dict:
             if verdict.stop:
                 raise health.TrainingHealthError(verdict.stop)
             if verdict.ok and cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 and step + 1 < cfg.train.steps:
-                save(session, step, {"eval_before": eval_before})
+                save(session, step, {"eval_before": eval_before, **rollouts.state_dict()})
         progress.close()
         eval_after = evaluate(session)
         if verdict.ok:  # the last step's weights passed the health checks
@@ -127,6 +134,7 @@ def run(cfg: RunConfig) -> dict:
                                 session.sessions(), plots=cfg.tracking.plots)
         return {"eval_before": eval_before, "eval_after": eval_after, "summary": text}
     finally:
+        rollouts.close()
         session.close()
 
 

@@ -42,6 +42,8 @@ def _plan(overrides=(), config="qwen3_8b_fp8_grpo.yaml", nodes=2, gpus=8, gpu="h
     return make_plan(load_config(CONFIGS / config, list(overrides)), nodes, gpus, gpu, PlanOptions(engine_nodes=engine_nodes))
 
 
+# colocated engines are this host's (the tensor transport's handles open nowhere else)
+COLOCATED = ["rollout.placement=colocated", "rollout.weight_sync.transport=tensor", "rollout.urls=[http://127.0.0.1:30008]"]
 BROKEN = {
     "heads-not-divisible-by-tp": dict(overrides=["parallel.tensor_model_parallel_size=3", "parallel.sequence_parallel=false"], nodes=4),
     "query-groups-not-divisible-by-tp": dict(overrides=["parallel.tensor_model_parallel_size=16"], nodes=3),
@@ -67,7 +69,8 @@ BROKEN = {
                                                                                      "precision.rollout_quantization=none", "rollout.mem_fraction_static=0.7"], nodes=6,
                                        engine_nodes=2),
     "kv-cache-below-one-sequence": dict(overrides=["rollout.mem_fraction_static=0.12"]),
-    "colocated-out-of-memory": dict(overrides=["rollout.placement=colocated"], nodes=1),
+    "colocated-out-of-memory": dict(overrides=COLOCATED, nodes=1),
+    "colocated-multi-node": dict(overrides=[*COLOCATED, "rollout.mem_fraction_static=0.3"], nodes=2),
 }
 WARNINGS = {
     "engine-gpus-idle": dict(overrides=["rollout.num_engines=7"]),

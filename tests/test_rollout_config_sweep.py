@@ -24,6 +24,10 @@ COVERED = {
                                             "fp8-channel": "fp8_channel_router"},
     ("precision", "rollout_scale_fmt"): {"fp32": "tests/test_loop.py main job", "ue8m0": "fp8_channel_router"},
     ("precision", "kv_cache_dtype"): {"auto": "external_router", "fp8_e4m3": "fp8_channel_router"},
+    ("rollout", "placement"): {"disaggregated": "tests/test_loop.py main job",
+                               "colocated": "tests/test_overlap_placement.py colocated run (2 steps)"},
+    ("rollout", "overlap"): {"none": "tests/test_loop.py main job",
+                             "one_step_off": "tests/test_overlap_placement.py one_step_off run (3 steps + resume)"},
 }
 
 

@@ -85,6 +85,20 @@ def test_gpu_assignment():
     assert engine_gpu_groups(explicit, visible_gpus=0, learner_gpus=0) == [[7, 6], [1, 0]]
 
 
+def test_colocated_engines_share_the_learner_gpus_and_release_memory():
+    """placement=colocated: SGLang's memory saver + weights CPU backup flags (real server args), the learner's devices."""
+    cfg = RolloutConfig(engine="sglang", placement="colocated", num_engines=2, engine_tp_size=4, mem_fraction_static=0.3)
+    cmd = sglang_command(cfg, PrecisionConfig(), "/models/m", 30001, 0)
+    assert "--enable-memory-saver" in cmd and "--enable-weights-cpu-backup" in cmd
+    assert set(c for c in cmd if c.startswith("--")) <= set(SGLANG["flags"])
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.3"
+    assert "--enable-memory-saver" not in sglang_command(RolloutConfig(engine="sglang"), PrecisionConfig(), "/m", 1, 0)
+    # the engines sit on the devices the learner's 8 local ranks use
+    assert engine_gpu_groups(cfg, visible_gpus=8, learner_gpus=8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(LaunchError, match="rollout.placement=colocated: the engines need 8 GPU"):
+        engine_gpu_groups(cfg, visible_gpus=4, learner_gpus=4)
+
+
 def test_cuda_visible_devices_maps_through_an_outer_list(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert cuda_visible_devices([2, 3]) == "2,3"

@@ -77,17 +77,23 @@ def test_disaggregated_layout(stubs):
 
 @pytest.mark.slow
 def test_colocated_layout(stubs):
-    hosts = ["node-0", "node-1"]
-    rc, calls, out = run_script("slurm_colocated.sbatch", stubs, hosts, str(CONFIG), "rollout.mem_fraction_static=0.3")
+    rc, calls, out = run_script("slurm_colocated.sbatch", stubs, ["node-0"], str(CONFIG), "rollout.mem_fraction_static=0.3")
     assert rc == 0, out
     engines = [c for c in calls if c.startswith("srun") and " engines " in c]
-    assert sorted(c.split("--nodelist=")[1].split()[0] for c in engines) == hosts
-    assert all("rollout.placement=colocated" in c for c in engines)
+    assert len(engines) == 1 and "--nodelist=node-0" in engines[0]
+    assert "rollout.placement=colocated" in engines[0] and "rollout.weight_sync.transport=tensor" in engines[0]
     router = next(c for c in calls if "sglang_router.launch_router" in c)
-    assert all(f"http://{h}:{30001 + k}" in router for h in hosts for k in range(8))
+    assert all(f"http://127.0.0.1:{30001 + k}" in router for k in range(8))
     learner = next(c for c in calls if "torchrun_node.sh" in c)
-    assert "--nodelist=node-0,node-1" in learner and "NNODES=2" in learner and "--overlap" in learner
-    assert "MASTER_ADDR=node-0" in learner
+    assert "--nodelist=node-0" in learner and "NNODES=1" in learner and "--overlap" in learner
+    assert "MASTER_ADDR=node-0" in learner and "rollout.urls=[http://127.0.0.1:30000]" in learner
+    # the learner's overrides pass the config's checks (tensor transport to engines on this host)
+    learner_overrides = learner.split(f" _ {CONFIG} ")[1].split()
+    assert load_config(CONFIG, learner_overrides).rollout.weight_sync.transport == "tensor"
+    # engines on other nodes cannot receive the learner's handles: refused by the plan before any step
+    rc, calls, out = run_script("slurm_colocated.sbatch", stubs, ["node-0", "node-1"], str(CONFIG),
+                                "rollout.mem_fraction_static=0.3")
+    assert rc == 2 and "colocated-multi-node" in out and not [c for c in calls if c.startswith("srun")]
 
 
 @pytest.mark.slow

@@ -281,3 +281,25 @@ def test_every_response_names_the_weights_that_produced_it(tmp_path):
         assert r.output_ids == ref.argmax(-1).tolist(), (r.weight_version, prompt)
         assert torch.allclose(torch.tensor(r.logprobs), ref.max(-1).values, atol=1e-4)
     assert len(versions) > 2  # updates really happened while requests were in flight
+
+
+def test_weights_cpu_backup_restores_the_served_weights_and_events_are_logged(tmp_path):
+    """--enable-weights-cpu-backup (colocated engines): resume brings back the released weights, bit for bit; without
+    it they come back zero-filled. /server_info lists release/resume/update/generate events in order."""
+    from megatron_rl.rollout.client import RolloutClient
+    from megatron_rl.rollout.testing import ThreadedServer
+
+    make_tiny_model(str(tmp_path / "m"), seed=0)
+    name = "model.layers.0.mlp.down_proj.weight"
+    for backup in (True, False):
+        with ThreadedServer(str(tmp_path / "m"), weights_cpu_backup=backup) as srv:
+            before = weights_of(srv.url, name)
+            assert post(srv.url, "/release_memory_occupation", {})[0] == 200
+            assert post(srv.url, "/resume_memory_occupation", {})[0] == 200
+            after = weights_of(srv.url, name)
+            assert torch.equal(after, before) if backup else not after.any()
+            greedy(srv.url, 2)
+            info = RolloutClient(srv.url).server_info_sync()[0]
+            assert info["enable_weights_cpu_backup"] is backup
+            assert [e["event"] for e in info["events"]] == ["release", "resume", "generate"]
+            assert [e["seq"] for e in info["events"]] == [1, 2, 3]

@@ -103,17 +103,20 @@ def flatten_valid(ratio: torch.Tensor, adv: torch.Tensor, loss_mask: torch.Tenso
     return ratio.detach()[keep], adv.detach()[keep]
 
 
-def reference_sums(ratio_hp: torch.Tensor, adv: torch.Tensor, *, eps_low: float, eps_high: float) -> torch.Tensor:
-    """Local [|N|, |N below 1-eps_low|, C+_hp(1+eps_high), C-_hp(1-eps_low), |P|] (float64, data's device); additive."""
+def reference_sums(ratio_hp: torch.Tensor, adv: torch.Tensor, *, eps_low: float, eps_high: float,
+                   weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Local [|N|, |N below 1-eps_low|, C+_hp(1+eps_high), C-_hp(1-eps_low), |P|] (float64, data's device); additive.
+    With `weight` each token counts that many times (counts and masses alike)."""
     r64, a64 = ratio_hp.detach().reshape(-1).to(torch.float64), adv.detach().reshape(-1).to(torch.float64)
+    w = torch.ones_like(r64) if weight is None else weight.detach().reshape(-1).to(torch.float64)
     neg, pos = a64 < 0, a64 > 0
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
     return torch.stack([
-        neg.sum().to(torch.float64),
-        (neg & (r64 < lo)).sum().to(torch.float64),
-        (a64 * r64 * (pos & (r64 <= hi))).sum(),
-        (-a64 * r64 * (neg & (r64 >= lo))).sum(),
-        pos.sum().to(torch.float64),
+        (w * neg).sum(),
+        (w * (neg & (r64 < lo))).sum(),
+        (w * a64 * r64 * (pos & (r64 <= hi))).sum(),
+        (-w * a64 * r64 * (neg & (r64 >= lo))).sum(),
+        (w * pos).sum(),
     ])
 
 
@@ -140,10 +143,11 @@ def _histogram_stats(parts: list[torch.Tensor], group, *, hist_spec: HistSpec, *
 
 @STATS_BACKENDS.register("allgather")
 def _allgather_stats(parts: list[torch.Tensor], group, *, max_samples_per_rank: int,
-                     generator: Optional[torch.Generator], **_: object) -> SampleStats:
-    rows = torch.cat(parts) if parts else torch.zeros(0, 2, dtype=torch.float64)  # device-ok: as above, no tokens on this rank
+                     generator: Optional[torch.Generator], weighted: bool = False, **_: object) -> SampleStats:
+    # weighted: a third column holds each token's weight (identical layout on every rank: the gather needs it)
+    rows = torch.cat(parts) if parts else torch.zeros(0, 3 if weighted else 2, dtype=torch.float64)  # device-ok: as above, no tokens on this rank
     rows, weight = collectives.gather_samples(rows, max_samples_per_rank, group, generator)
-    return SampleStats(rows[:, 0], rows[:, 1], weight)
+    return SampleStats(rows[:, 0], rows[:, 1], weight * rows[:, 2] if weighted else weight)
 
 
 class ReducedStats(NamedTuple):
@@ -161,12 +165,15 @@ class RatioStats:
     What it collects is fixed at construction (identical on every rank, so every rank runs the same
     collectives in `reduce`, even one that added no tokens). With `record` it also keeps the tokens
     themselves (FP8 and high-precision ratios, advantages, update index) for the ratio dumps.
+    `weighted` statistics count each token `weight` times (`add(..., weight=)`, required then): the
+    rollout-correction weights of stale samples under rollout.overlap=one_step_off.
     """
 
     def __init__(self, backend: str, *, fp8: bool = True, reference: bool = False, eps_low: float = 0.2,
-                 eps_high: float = 0.2, hist_spec: HistSpec = HistSpec(), record: bool = False) -> None:
+                 eps_high: float = 0.2, hist_spec: HistSpec = HistSpec(), record: bool = False, weighted: bool = False) -> None:
         """An empty accumulator for `backend` ("allgather" | "histogram")."""
         _check_backend(backend)
+        self.weighted = weighted
         self.backend, self.hist_spec = backend, hist_spec
         self.collect_fp8, self.collect_reference = fp8, reference
         self.eps_low, self.eps_high = float(eps_low), float(eps_high)
@@ -175,11 +182,18 @@ class RatioStats:
         self.records: Optional[list[dict[str, torch.Tensor]]] = [] if record else None
         self.num_tokens = 0
 
-    def add(self, ratio: torch.Tensor, adv: torch.Tensor, *, ratio_hp: Optional[torch.Tensor] = None, update: int = 0) -> None:
-        """Add 1-D FP8 ratios and advantages of valid tokens (and their high-precision ratios when collected)."""
+    def add(self, ratio: torch.Tensor, adv: torch.Tensor, *, ratio_hp: Optional[torch.Tensor] = None, update: int = 0,
+            weight: Optional[torch.Tensor] = None) -> None:
+        """Add 1-D FP8 ratios and advantages of valid tokens (and their high-precision ratios when collected; their
+        weights when the statistics are weighted)."""
         ratio, adv = ratio.detach().reshape(-1), adv.detach().reshape(-1)
         if ratio.shape != adv.shape:
             raise ValueError(f"ratio and adv must have the same number of tokens, got {ratio.numel()} and {adv.numel()}")
+        if self.weighted != (weight is not None) or (weight is not None and weight.numel() != ratio.numel()):
+            raise ValueError("weighted statistics need one weight per token (and unweighted ones none)")
+        if weight is not None:  # a non-finite or negative weight counts nothing
+            weight = weight.detach().reshape(-1).to(torch.float64)
+            weight = torch.where(torch.isfinite(weight) & (weight > 0), weight, torch.zeros_like(weight))
         if self.collect_reference and (ratio_hp is None or ratio_hp.numel() != ratio.numel()):
             raise ValueError("a calibration event needs the high-precision ratio of every token it adds")
         # a non-finite token (a diverged forward the health guard skips) must not turn the bounds into NaN:
@@ -193,13 +207,14 @@ class RatioStats:
         ratio = torch.where(finite, ratio, torch.ones_like(ratio))
         adv = torch.where(finite, adv, torch.zeros_like(adv))
         if self.collect_reference:
-            sums = reference_sums(ratio_hp, adv, eps_low=self.eps_low, eps_high=self.eps_high)
+            sums = reference_sums(ratio_hp, adv, eps_low=self.eps_low, eps_high=self.eps_high, weight=weight)
             self.reference = sums if self.reference is None else self.reference + sums
         if self.collect_fp8:
             if self.backend == "histogram":
-                self.parts = [local_histogram(ratio, adv, self.hist_spec) + (self.parts[0] if self.parts else 0.0)]
+                self.parts = [local_histogram(ratio, adv, self.hist_spec, weight) + (self.parts[0] if self.parts else 0.0)]
             else:
-                self.parts.append(torch.stack([ratio.to(torch.float64), adv.to(torch.float64)], dim=1))
+                columns = [ratio.to(torch.float64), adv.to(torch.float64)] + ([weight] if weight is not None else [])
+                self.parts.append(torch.stack(columns, dim=1))
         if self.records is not None:
             rec = {"ratio": raw[0][finite], "adv": raw[1][finite]}
             rec["minibatch"] = torch.full_like(rec["adv"], update, dtype=torch.int64)
@@ -214,7 +229,8 @@ class RatioStats:
         fp8 = None
         if self.collect_fp8:
             fp8 = STATS_BACKENDS.get(self.backend)(self.parts, group, hist_spec=self.hist_spec,
-                                                   max_samples_per_rank=max_samples_per_rank, generator=generator)
+                                                   max_samples_per_rank=max_samples_per_rank, generator=generator,
+                                                   weighted=self.weighted)
         targets = None
         if self.collect_reference:
             local = self.reference if self.reference is not None else torch.zeros(5, dtype=torch.float64)  # device-ok: no tokens on this rank; the collective places it

@@ -50,10 +50,10 @@ class CalibratedClipper:
         self.solved = False
         self.last: Optional[BoundsSolution] = None
 
-    def new_stats(self, *, fp8: bool = True, reference: bool = False, record: bool = False) -> RatioStats:
-        """An empty `RatioStats` with this clipper's backend, eps and bins."""
+    def new_stats(self, *, fp8: bool = True, reference: bool = False, record: bool = False, weighted: bool = False) -> RatioStats:
+        """An empty `RatioStats` with this clipper's backend, eps and bins (`weighted`: tokens carry weights)."""
         return RatioStats(self.cfg.backend, fp8=fp8, reference=reference, eps_low=self.eps_low, eps_high=self.eps_high,
-                          hist_spec=self.hist_spec, record=record)
+                          hist_spec=self.hist_spec, record=record, weighted=weighted)
 
     def solve(self, stats: RatioStats, group: Optional[object] = None, *, smooth: bool = True) -> Optional[BoundsSolution]:
         """Reduce `stats` over `group`, update targets and held bounds (see module docstring); the solution, or None when none ran."""

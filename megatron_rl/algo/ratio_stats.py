@@ -170,15 +170,16 @@ class HistSpec:
         return idx.clamp(0, self.bins + 1)
 
 
-def local_histogram(ratio: torch.Tensor, adv: torch.Tensor, spec: HistSpec) -> torch.Tensor:
-    """This rank's [4, bins + 2] float64 buffer (on the data's device): rows = N counts, N |A| r mass, P counts, P A r mass."""
+def local_histogram(ratio: torch.Tensor, adv: torch.Tensor, spec: HistSpec, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's [4, bins + 2] float64 buffer (on the data's device): rows = N counts, N |A| r mass, P counts, P A r mass
+    (each token counted `weight` times when given)."""
     neg, pos = _split(ratio, adv)
     mass = adv.to(torch.float64).abs() * ratio.to(torch.float64)
     idx = spec.index(ratio)
     rows = []
     # masked weights instead of boolean indexing: no data-dependent shapes, no host sync
     for sel in (neg, pos):
-        w = sel.to(torch.float64)
+        w = sel.to(torch.float64) if weight is None else sel.to(torch.float64) * weight.to(torch.float64)
         for values in (w, w * mass):
             rows.append(torch.zeros(spec.bins + 2, dtype=torch.float64, device=ratio.device).index_add_(0, idx, values))
     return torch.stack(rows)

@@ -84,7 +84,9 @@ class RolloutConfig(StrictConfig):
     engine_dp_size: PositiveInt = 1
     """Data-parallel replicas (>= 1) inside one SGLang engine (--dp-size); GPUs used = num_engines * engine_tp_size * engine_dp_size."""
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
-    """disaggregated: engines on GPUs (nodes) of their own; colocated: engines share the learner's GPUs (release/resume memory). Read by `megatron-rl plan` and the Slurm scripts."""
+    """disaggregated: engines on GPUs (nodes) of their own; colocated: engines share the learner's devices, release their memory while it trains and resume it before the weight sync (weights via weight_sync.transport=tensor, the default there)."""
+    overlap: Literal["none", "one_step_off"] = "none"
+    """none: each step generates, then trains; one_step_off: step t+1's samples are generated (with the weights of step t) while step t trains."""
     engine_gpus: list[Annotated[int, Field(ge=0)]] = []
     """CUDA device indices of this node for the SGLang engines, in order (empty = the GPUs after the learner's local ranks)."""
     sglang_python: str = "python"
@@ -135,6 +137,10 @@ class RolloutConfig(StrictConfig):
                 raise ValueError("rollout.sync_dir moved: use rollout.weight_sync.sync_dir")
             if isinstance(data.get("weight_sync"), str):
                 raise ValueError(f"rollout.weight_sync is a section now: use rollout.weight_sync.transport={data['weight_sync']}")
+            ws = data.get("weight_sync")
+            if data.get("placement") == "colocated" and (ws is None or (isinstance(ws, dict) and "transport" not in ws)):
+                # colocated engines take the learner's tensors by handle; any other transport is refused below
+                data = {**data, "weight_sync": {**(ws or {}), "transport": "tensor"}}
         return data
 
     @model_validator(mode="after")
@@ -170,6 +176,22 @@ class RolloutConfig(StrictConfig):
                 raise ValueError(f"rollout.weight_sync.transport=tensor hands engines shared-memory / CUDA-IPC handles, "
                                  f"which only an engine on this host can open; {remote[0]} is elsewhere "
                                  "(use transport=distributed or disk)")
+        if self.placement == "colocated":
+            self._check_colocated()
         if self.api_key is not None and (not self.api_key or any(c.isspace() or not c.isprintable() for c in self.api_key)):
             raise ValueError("rollout.api_key must be a non-empty string without whitespace (it is sent in an HTTP header)")
         return self
+
+    def _check_colocated(self) -> None:
+        """What rollout.placement=colocated needs (engines on the learner's devices, memory released while it trains)."""
+        if self.weight_sync.transport != "tensor":
+            raise ValueError(f"rollout.weight_sync.transport={self.weight_sync.transport} is not supported with "
+                             "rollout.placement=colocated: colocated engines take the learner's tensors by handle on the "
+                             "same devices (NCCL refuses two ranks on one GPU); use transport=tensor (the default there)")
+        if self.overlap != "none":
+            raise ValueError(f"rollout.overlap={self.overlap} needs engines that keep generating while the learner trains; "
+                             "rollout.placement=colocated engines release their memory then (use placement=disaggregated)")
+        if self.engine == "sglang" and self.mem_fraction_static is None:
+            raise ValueError("rollout.mem_fraction_static must be set when rollout.placement=colocated and engine=sglang: "
+                             "the engines share each GPU with the learner's weights and optimizer (e.g. 0.3; "
+                             "`megatron-rl plan` checks the fit)")

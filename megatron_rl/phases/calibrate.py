@@ -10,6 +10,8 @@
   off-policy updates); under per_minibatch the no-grad FP8 pre-pass and its pooled solve (over the
   DP group: after the forward every CP rank holds whole rows, so DP alone covers each token once);
   returns the bounds the update trains with and the tap through which the loss adds its tokens.
+- Under rollout.overlap=one_step_off (samples one weight version old) every token enters the statistics
+  with the rollout-correction weight the loss gives it (phases/loss.py `correction_weight`).
 - `finish`: on an event, the one pooled solve over the DP x CP group of the last stage (every rank
   of it calls the collectives, even with no tokens; TP replicas are separate groups, each counts
   once), the ratio dumps, then the last stage's clipper state is copied to every stage so rank 0
@@ -39,7 +41,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import share_from_last_stage
 from megatron_rl.phases import logprobs
-from megatron_rl.phases.loss import CalibrationTap
+from megatron_rl.phases.loss import CalibrationTap, correction_weight
 from megatron_rl.types import TrainBatch
 
 
@@ -59,8 +61,11 @@ class StepCalibration:
         self.run_dir = Path(run_dir)
         self.dump = bool(cfg.tracking.dump_ratios)
         self.stats = None
+        self.algo = cfg.algo
+        # one_step_off trains on samples of the previous weights: tokens count by their rollout-correction weight
+        self.weighted = cfg.rollout.overlap == "one_step_off"
         if clipper is not None and plan.event:
-            self.stats = clipper.new_stats(fp8=True, reference=plan.shadow, record=self.dump)
+            self.stats = clipper.new_stats(fp8=True, reference=plan.shadow, record=self.dump, weighted=self.weighted)
         self.solution: Optional[BoundsSolution] = None
 
     def before_update(self, learner, mb: TrainBatch, epoch: int, k: int
@@ -84,8 +89,9 @@ class StepCalibration:
             return
         valid = mb.loss_mask > 0
         ratio = torch.exp(log_ratio(lp, mb.old_logprobs.to(lp.device), self.clamp))
-        stats = self.clipper.new_stats()
-        stats.add(ratio[valid], mb.advantages.to(lp.device)[valid])
+        stats = self.clipper.new_stats(weighted=self.weighted)
+        weight = correction_weight(mb, self.algo).to(lp.device)[valid] if self.weighted else None
+        stats.add(ratio[valid], mb.advantages.to(lp.device)[valid], weight=weight)
         self.solution = self.clipper.solve(stats, state.dp_group(), smooth=False) or self.solution
 
     def finish(self) -> dict[str, float]:

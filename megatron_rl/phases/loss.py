@@ -4,7 +4,9 @@ Runs on the last pipeline stage inside megatron's schedule, once per micro-batch
 activation-recompute region (the Learner calls it on the final logits). It runs no collective:
 on the updates the CalibrationPlan names it adds the micro-batch's shadow-row tokens (FP8 ratio,
 high-precision ratio, advantage) to the step's `RatioStats`, which are reduced over DP x CP once,
-when the step's solve runs (phases/calibrate.py).
+when the step's solve runs (phases/calibrate.py). Under rollout.overlap=one_step_off the samples are
+one weight version behind the learner and each token enters the statistics with the rollout-correction
+weight (TIS/MIS) the loss multiplies it by, so the solve describes the token mix the objective sees.
 """
 from __future__ import annotations
 
@@ -31,6 +33,17 @@ def with_sequence_rollout_weights(batch: TrainBatch, algo: AlgoConfig) -> TrainB
     corr = rollout_correction(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, mode=rc.mode, level=rc.level,
                               tis_cap=rc.tis_cap, mis_low=rc.mis_low, mis_high=rc.mis_high)
     return batch.with_fields(rollout_weight=corr.weight.detach())
+
+
+def correction_weight(mb: TrainBatch, algo: AlgoConfig) -> torch.Tensor:
+    """[B, S] rollout-correction weight of each token: the factor the loss multiplies its policy term by (1 without one)."""
+    rc = algo.rollout_correction
+    if mb.rollout_weight is not None:
+        return mb.rollout_weight.detach()
+    if rc.mode == "none" or mb.rollout_logprobs is None:
+        return torch.ones_like(mb.loss_mask, dtype=torch.float64)
+    return rollout_correction(mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, mode=rc.mode, level=rc.level,
+                              tis_cap=rc.tis_cap, mis_low=rc.mis_low, mis_high=rc.mis_high).weight.detach()
 
 
 @dataclass
@@ -80,7 +93,9 @@ class RLLoss:
             # FP8 ratio noise: how far the FP8 log-ratio sits from the high-precision one, token by token.
             noise = (log_ratio(logprobs.detach(), mb.old_logprobs, clamp) - lr_hp).abs()
             extra.update(M.masked_mean_sums("fp8/log_ratio_abs_err", noise, shadow_mask))
-        tap.stats.add(ratio[tokens], mb.advantages[tokens], ratio_hp=ratio_hp, update=tap.update)
+        # weighted (one_step_off): stale tokens count as much as the loss weighs them, so the solve sees pi_old's mix
+        weight = correction_weight(mb, self.algo).to(valid.device)[tokens] if tap.stats.weighted else None
+        tap.stats.add(ratio[tokens], mb.advantages[tokens], ratio_hp=ratio_hp, update=tap.update, weight=weight)
         return extra
 
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: TrainBatch, ctx) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -33,6 +33,7 @@ CODES = {
     "engine-weights-exceed-pool": "the served weights do not fit mem_fraction_static of an engine GPU",
     "kv-cache-below-one-sequence": "the KV cache cannot hold one full-length sequence",
     "colocated-out-of-memory": "learner state + the engine pool exceed the shared GPU",
+    "colocated-multi-node": "colocated engines get weights by CUDA-IPC handle (transport=tensor) from one node's learner",
     "engine-gpus-idle": "GPUs on engine nodes that no engine uses",
     "kv-cache-limits-concurrency": "the KV cache holds fewer tokens than the configured concurrency asks",
     "learner-needs-recompute": "the learner fits only with full activation recompute",
@@ -110,6 +111,11 @@ def allocation_checks(*, nodes: int, gpus_per_node: int, engine_gpus_per_node: i
                            f"engines need {engine_gpus_per_node} GPUs per engine node (rollout.num_engines x engine_tp_size x "
                            f"engine_dp_size) on {engine_nodes} node(s); the allocation has {nodes} x {gpus_per_node}"))
         return out
+    if placement == "colocated" and engine_kind != "embedded" and nodes > 1:
+        out.append(Finding("colocated-multi-node", "error",
+                           f"rollout.placement=colocated on {nodes} nodes: colocated engines receive weights through "
+                           "rollout.weight_sync.transport=tensor (CUDA-IPC handles), which reach engines on the learner "
+                           "controller's node only; run colocated on 1 node or use placement=disaggregated"))
     if placement == "disaggregated" and engine_kind != "embedded" and engine_gpus_per_node < gpus_per_node:
         out.append(Finding("engine-gpus-idle", "warning",
                            f"{gpus_per_node - engine_gpus_per_node} GPU(s) per engine node run nothing: raise rollout.num_engines "

@@ -4,7 +4,9 @@
 
 Disaggregated: the first `--engine-nodes` hosts each run rollout.num_engines SGLang engines (as
 `megatron-rl engines` starts them per node), the first of them also the one sglang-router in front of
-all of them; the other hosts run the learner. Colocated: every host runs both. Engine k of a host
+all of them; the other hosts run the learner. Colocated (one host: `megatron-rl plan` refuses more, since the
+tensor transport reaches engines on the controller's host only): the host runs both, and every URL names
+127.0.0.1, the address the config's tensor-transport check accepts as this host. Engine k of a host
 listens on ENGINE_BASE_PORT + k, the router on ROUTER_PORT. Printed variables: ENGINE_HOSTS,
 ENGINES_PER_NODE, WORKER_URLS, ROUTER_URL, ROUTER_POLICY, LEARNER_HOSTS, LEARNER_NNODES, MASTER_ADDR. Fails (exit 2, one line) when the layout does not fit: run `megatron-rl plan` for why.
 """
@@ -30,12 +32,13 @@ def assign(cfg, hosts: Sequence[str], gpus_per_node: int, gpu: str = "h100", rou
         engine_hosts, learner_hosts = list(hosts), list(hosts)
     else:
         engine_hosts, learner_hosts = list(hosts[:engine_nodes]), list(hosts[engine_nodes:])
-    urls = [f"http://{h}:{engine_base_port + k}" for h in engine_hosts for k in range(r.num_engines)]
+    address = (lambda h: "127.0.0.1") if r.placement == "colocated" else (lambda h: h)
+    urls = [f"http://{address(h)}:{engine_base_port + k}" for h in engine_hosts for k in range(r.num_engines)]
     return {
         "ENGINE_HOSTS": " ".join(engine_hosts),
         "ENGINES_PER_NODE": str(r.num_engines),
         "WORKER_URLS": " ".join(urls),
-        "ROUTER_URL": f"http://{engine_hosts[0]}:{router_port}",
+        "ROUTER_URL": f"http://{address(engine_hosts[0])}:{router_port}",
         "ROUTER_POLICY": r.router_policy,
         "LEARNER_HOSTS": " ".join(learner_hosts),
         "LEARNER_NNODES": str(len(learner_hosts)),

@@ -396,7 +396,9 @@ def _launch_embedded(cfg, precision, model_path: str, tokenizer_path: Optional[s
                           startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir,
                           deterministic=cfg.deterministic_inference, kv_cache_dtype=precision.kv_cache_dtype,
                           api_key=cfg.api_key, max_n=engine_max_n(cfg.n_samples_per_prompt),
-                          engine_args=["--weight-update-timeout-s", str(cfg.weight_sync.timeout_s)])
+                          engine_args=["--weight-update-timeout-s", str(cfg.weight_sync.timeout_s)]
+                          # colocated: released weights come back on resume, as SGLang's flag of the same name does
+                          + (["--enable-weights-cpu-backup"] if cfg.placement == "colocated" else []))
 
 
 def _launch_sglang(cfg, precision, model_path: str, tokenizer_path: Optional[str], log_dir: Optional[str],

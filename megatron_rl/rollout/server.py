@@ -94,7 +94,7 @@ class RolloutServer:
                  max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                  max_body_mb: float = DEFAULT_MAX_BODY_MB, max_weight_body_mb: float = DEFAULT_MAX_WEIGHT_BODY_MB,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                 weight_update_timeout_s: float = 120.0):
+                 weight_update_timeout_s: float = 120.0, weights_cpu_backup: bool = False):
         """Configure the server; the model is loaded in the background once the app starts.
 
         deterministic: generate every request in a batch of its own, so a request's samples never
@@ -105,6 +105,7 @@ class RolloutServer:
         (the latter never below max_n). max_body_mb / max_weight_body_mb: request body limits
         (the latter for tensor weight updates). read_timeout_s: time allowed to receive a body.
         weight_update_timeout_s: bound of a weight-update group's rendezvous and of each broadcast.
+        weights_cpu_backup: released weights come back on resume (SGLang's --enable-weights-cpu-backup).
         """
         if batch_window_s < 0:
             raise ValueError("batch_window_s must be >= 0")
@@ -140,7 +141,7 @@ class RolloutServer:
         self._running = 0
         self.batches_run = 0
         self._tasks: list[asyncio.Task] = []
-        self.weights = WeightEndpoints(self, _json_body, weight_update_timeout_s)
+        self.weights = WeightEndpoints(self, _json_body, weight_update_timeout_s, weights_cpu_backup)
 
     # --------------------------------------------------------------------------- lifecycle
     def make_app(self) -> web.Application:
@@ -343,6 +344,7 @@ class RolloutServer:
             "tp_size": 1, "dp_size": 1, "pp_size": 1, "max_running_requests": self.max_batch_size,
             "batch_window_s": self.batch_window_s, "weight_version": self.weight_version,
             "enable_deterministic_inference": self.deterministic, "kv_cache_dtype": self.kv_cache_dtype,
+            "enable_weights_cpu_backup": self.weights.weights_cpu_backup, "events": list(self.weights.events),
             "version": SERVER_VERSION, "engine": "embedded-cpu", "device": "cpu",
             "internal_states": [{"loaded": self.engine is not None, "running_requests": self._running,
                                  "queued_requests": self._queue.qsize() if self._queue else 0,
@@ -472,6 +474,7 @@ class RolloutServer:
         except Exception as exc:
             return _error(f"generation failed: {type(exc).__name__}: {exc}", 500)
         latency = time.perf_counter() - t0
+        self.weights.record("generate", requests=len(items))
         out: list[dict] = []
         for it, (samples, version) in zip(items, results):
             for j, sample in enumerate(samples):
@@ -558,6 +561,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "also how long an idle connection is kept")
     p.add_argument("--weight-update-timeout-s", type=float, default=120.0,
                    help="bound of a weight-update group's rendezvous and of each weight broadcast")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="keep released weights and restore them on /resume_memory_occupation (as SGLang's flag)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return p
 
@@ -614,7 +619,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         exit_on_load_error=True, deterministic=args.enable_deterministic_inference, kv_cache_dtype=args.kv_cache_dtype,
         api_key=args.api_key, max_n=args.max_n, max_sequences_per_request=args.max_sequences_per_request,
         max_body_mb=args.max_body_mb, max_weight_body_mb=args.max_weight_body_mb, read_timeout_s=args.read_timeout_s,
-        weight_update_timeout_s=args.weight_update_timeout_s)
+        weight_update_timeout_s=args.weight_update_timeout_s, weights_cpu_backup=args.enable_weights_cpu_backup)
     if args.parent_pid > 0:
         watch_parent(args.parent_pid)
     web.run_app(server.make_app(), host=args.host, port=args.port, print=None, access_log=None,

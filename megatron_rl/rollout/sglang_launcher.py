@@ -7,7 +7,15 @@ tests/test_sglang_launcher.py, from a fixture extracted from sglang's server_arg
         --tp-size T --dp-size D --random-seed rollout.seed+i --skip-tokenizer-init
         [--quantization fp8|w8a8_fp8]        (precision.rollout_quantization fp8-blockwise|fp8-channel)
         [--kv-cache-dtype fp8_e4m3]          (precision.kv_cache_dtype)
-        [--mem-fraction-static F] [--enable-deterministic-inference] [--api-key K] [rollout.sglang_args...]
+        [--mem-fraction-static F] [--enable-deterministic-inference] [--api-key K]
+        [--enable-memory-saver --enable-weights-cpu-backup]   (rollout.placement=colocated)
+        [rollout.sglang_args...]
+
+Colocated engines (rollout.placement=colocated) share the learner's GPUs: `--enable-memory-saver`
+lets /release_memory_occupation free their weights and KV cache while the learner trains, and
+`--enable-weights-cpu-backup` keeps a host copy of the weights, so /resume_memory_occupation
+brings back the last synced version (an unhealthy step is never synced: the engines must still
+serve the previous one); `--mem-fraction-static` (required there) bounds their share.
 
 SGLang fixes each layer's quantization when it starts and later weight updates load into those
 layers, so FP8 engines start from a checkpoint already in the rollout format
@@ -18,7 +26,8 @@ engine i gets the consecutive devices gpus[i*k : (i+1)*k] (k = engine_tp_size * 
 through CUDA_VISIBLE_DEVICES, so inside SGLang they are devices 0..k-1. `gpus` is
 rollout.engine_gpus when set, otherwise the node's devices after the learner's: the learner's
 torchrun ranks on this node hold devices 0..L-1 (L = LOCAL_WORLD_SIZE, 0 on a rollout-only node
-started by `megatron-rl engines`) and the engines take L..L+K-1. Device indices are as this process
+started by `megatron-rl engines`) and the engines take L..L+K-1; colocated engines take 0..K-1,
+the learner's own devices. Device indices are as this process
 sees them: under an outer CUDA_VISIBLE_DEVICES they are positions in that list.
 """
 from __future__ import annotations
@@ -49,6 +58,8 @@ def sglang_command(cfg, precision, model_path: str, port: int, seed: int) -> lis
         cmd += ["--mem-fraction-static", f"{cfg.mem_fraction_static:g}"]
     if cfg.deterministic_inference:
         cmd += ["--enable-deterministic-inference"]
+    if cfg.placement == "colocated":
+        cmd += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
     api_key = getattr(cfg, "api_key", None)
     if api_key:
         cmd += ["--api-key", api_key]
@@ -74,13 +85,18 @@ def engine_gpu_groups(cfg, visible_gpus: int, learner_gpus: int) -> list[list[in
         if visible_gpus == 0:
             raise LaunchError("rollout.engine=sglang needs CUDA GPUs and this node has none "
                               "(use rollout.engine=embedded on CPU, or set rollout.engine_gpus)")
-        if learner_gpus + need > visible_gpus:
+        if cfg.placement == "colocated" and need > visible_gpus:
+            raise LaunchError(
+                f"rollout.placement=colocated: the engines need {need} GPU(s) (rollout.num_engines={cfg.num_engines} x "
+                f"engine_tp_size={cfg.engine_tp_size} x engine_dp_size={cfg.engine_dp_size}) and this node has {visible_gpus}")
+        if cfg.placement != "colocated" and learner_gpus + need > visible_gpus:
             raise LaunchError(
                 f"rollout.engine=sglang needs {need} GPU(s) (rollout.num_engines={cfg.num_engines} x engine_tp_size="
                 f"{cfg.engine_tp_size} x engine_dp_size={cfg.engine_dp_size}) after the learner's {learner_gpus} on this "
                 f"node, which has {visible_gpus}; lower them, run the engines on their own node (`megatron-rl engines`) "
                 "or set rollout.engine_gpus")
-        gpus = list(range(learner_gpus, learner_gpus + need))
+        first = 0 if cfg.placement == "colocated" else learner_gpus  # colocated: the learner's own devices
+        gpus = list(range(first, first + need))
     return [gpus[i * k:(i + 1) * k] for i in range(cfg.num_engines)]
 
 

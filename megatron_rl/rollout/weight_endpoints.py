@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Optional
 
@@ -25,6 +26,9 @@ from aiohttp import web
 
 from megatron_rl.parallel.weight_group import DEFAULT_GROUP_NAME
 from megatron_rl.rollout import weight_receiver as wr
+
+EVENT_LOG_SIZE = 4096
+"""Events an engine remembers for /server_info (enough for a tiny run's whole history)."""
 
 log = logging.getLogger("megatron_rl.rollout.weights")
 
@@ -56,14 +60,24 @@ def _opt_version(body: dict) -> Optional[str]:
 class WeightEndpoints:
     """Weight-update state of one RolloutServer (groups, released memory) and its handlers."""
 
-    def __init__(self, server: Any, read_json: ReadJson, timeout_s: float = 120.0) -> None:
-        """`server` is the RolloutServer (engine, worker executor, weight_version, abort epoch)."""
+    def __init__(self, server: Any, read_json: ReadJson, timeout_s: float = 120.0, weights_cpu_backup: bool = False) -> None:
+        """`server` is the RolloutServer (engine, worker executor, weight_version, abort epoch); `weights_cpu_backup`
+        keeps released weights to restore them on resume (SGLang's --enable-weights-cpu-backup)."""
         self.server = server
         self.read_json = read_json
         self.groups = wr.WeightGroups(timeout_s)
         self._recv = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weights")
         self._served: Optional[wr.ServedWeights] = None
         self._released: dict[str, Any] = {}
+        self._seq = 0
+        self.weights_cpu_backup = weights_cpu_backup
+        self.events: deque = deque(maxlen=EVENT_LOG_SIZE)
+        """The engine's recent memory, weight-update and generation events, in order (/server_info "events")."""
+
+    def record(self, event: str, **detail: Any) -> None:
+        """Append `event` (release, resume, update, generate) with the weight version it happened at."""
+        self._seq += 1
+        self.events.append({"seq": self._seq, "event": event, "weight_version": self.server.weight_version, **detail})
 
     def routes(self) -> list[tuple[str, str, Callable]]:
         """(method, path, handler) of every weight endpoint."""
@@ -119,6 +133,7 @@ class WeightEndpoints:
             written = served.apply(staged)
             if version is not None:
                 self.server.weight_version = version
+                self.record("update")
             return written
 
         return await asyncio.get_running_loop().run_in_executor(self.server._executor, job)
@@ -257,13 +272,15 @@ class WeightEndpoints:
                 if tag in self._released:
                     continue
                 # no KV cache outlives a batch here, so releasing it only blocks generation
-                self._released[tag] = wr.release_weights(self.server.engine.model) if tag == "weights" else None
+                self._released[tag] = (wr.release_weights(self.server.engine.model, self.weights_cpu_backup)
+                                       if tag == "weights" else None)
+            self.record("release", tags=list(tags))
 
         await asyncio.get_running_loop().run_in_executor(self.server._executor, job)
         return _result(True, f"Released memory of {list(tags)}.")
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        """Re-allocate released memory (weights come back zero-filled: push them again)."""
+        """Re-allocate released memory (weights come back from their backup with --enable-weights-cpu-backup, else zero-filled: push them again)."""
         if (resp := self._not_ready()) is not None:
             return resp
         try:
@@ -276,6 +293,7 @@ class WeightEndpoints:
                 held = self._released.pop(tag, None)
                 if tag == "weights" and held is not None:
                     wr.resume_weights(held)
+            self.record("resume", tags=list(tags))
 
         await asyncio.get_running_loop().run_in_executor(self.server._executor, job)
         return _result(True, f"Resumed memory of {list(tags)}.")

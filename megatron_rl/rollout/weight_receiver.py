@@ -339,19 +339,23 @@ def parse_tags(tags: Any) -> tuple[str, ...]:
     return tuple(tags)
 
 
-def release_weights(model: torch.nn.Module) -> dict[int, tuple[torch.Tensor, torch.Size, torch.dtype]]:
-    """Free the storage of every served tensor and W8A8 dequantized copy; returns what `resume_weights` restores."""
-    held: dict[int, tuple[torch.Tensor, torch.Size, torch.dtype]] = {}
+def release_weights(model: torch.nn.Module, cpu_backup: bool = False) -> dict[int, tuple]:
+    """Free the storage of every served tensor and W8A8 dequantized copy; returns what `resume_weights` restores.
+
+    With `cpu_backup` (SGLang's --enable-weights-cpu-backup) the values are kept aside, here in the
+    CPU storage they already live in, so resuming brings back the weights served before the release.
+    """
+    held: dict[int, tuple] = {}
     tensors = list(served_tensors(model).values())
     tensors += [m.weight_dq for m in model.modules() if isinstance(m, W8A8Linear)]
     for t in tensors:
         if id(t) not in held:
-            held[id(t)] = (t, t.shape, t.dtype)
+            held[id(t)] = (t, t.shape, t.dtype, t.data if cpu_backup else None)
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return held
 
 
-def resume_weights(held: dict[int, tuple[torch.Tensor, torch.Size, torch.dtype]]) -> None:
-    """Re-allocate released tensors, zero-filled (their values must be pushed again)."""
-    for t, shape, dtype in held.values():
-        t.data = torch.zeros(shape, dtype=dtype, device=t.device)
+def resume_weights(held: dict[int, tuple]) -> None:
+    """Re-allocate released tensors: their backup when one was kept, else zero-filled (their values must be pushed again)."""
+    for t, shape, dtype, backup in held.values():
+        t.data = backup if backup is not None else torch.zeros(shape, dtype=dtype, device=t.device)
