@@ -81,12 +81,13 @@ def assert_resumed(ref: dict, got: dict, reports: list, exact: bool = False) -> 
         assert rep["step_count"] == 2
 
 
+# One direction per layout pair (tp2_pp2 -> tp1 covers the TP x PP reshard; its mirror cost a 4-process run in
+# a CI budget of 15 minutes on 2 cores).
 CASES = [
     pytest.param("tp1", "tp2", id="tp1->tp2"),
     pytest.param("pp2_vpp2", "tp2", id="pp2_vpp2->tp2", marks=pytest.mark.slow),
     pytest.param("dp2_distopt", "dp1_distopt", id="dp2_distopt->dp1_distopt"),
     pytest.param("tp2_pp2", "tp1", id="tp2_pp2->tp1", marks=pytest.mark.slow),
-    pytest.param("tp1", "tp2_pp2", id="tp1->tp2_pp2", marks=pytest.mark.slow),
     pytest.param("tp2_dp2_distopt", "pp2_distopt", id="tp2_dp2_distopt->pp2_distopt", marks=pytest.mark.slow),
     pytest.param("cp2", "tp2_sp", id="cp2->tp2_sp", marks=pytest.mark.slow),
     pytest.param("dp2_distopt", "dp2_distopt", id="dp2_distopt->same", marks=pytest.mark.slow),
