@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 
 class DataFormatError(ValueError):
@@ -63,12 +63,8 @@ def parse_row(obj: Any, where: str) -> PromptRow:
     return PromptRow(prompt=obj["prompt"], answer=obj["answer"], meta=meta, source=where)
 
 
-def read_jsonl(path: str | Path) -> list[PromptRow]:
-    """Read and check every row of a JSONL prompt file; blank lines are skipped, bad lines raise DataFormatError."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataFileNotFoundError(f"dataset file not found: {path}")
-    rows: list[PromptRow] = []
+def iter_json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+    """('file:line', decoded object) of each non-blank line of a JSONL file; bad UTF-8 or JSON raises DataFormatError."""
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             where = f"{path}:{lineno}"
@@ -82,7 +78,15 @@ def read_jsonl(path: str | Path) -> list[PromptRow]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataFormatError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            rows.append(parse_row(obj, where))
+            yield where, obj
+
+
+def read_jsonl(path: str | Path) -> list[PromptRow]:
+    """Read and check every row of a JSONL prompt file; blank lines are skipped, bad lines raise DataFormatError."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataFileNotFoundError(f"dataset file not found: {path}")
+    rows = [parse_row(obj, where) for where, obj in iter_json_lines(path)]
     if not rows:
         raise DataFormatError(f"{path}: no rows")
     return rows

@@ -17,11 +17,10 @@ prompt stays in `PromptRow.meta["raw_prompt"]`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from megatron_rl.data.jsonl import DataFileNotFoundError, DataFormatError, PromptRow, parse_row
+from megatron_rl.data.jsonl import DataFileNotFoundError, DataFormatError, PromptRow, iter_json_lines, parse_row
 
 LAYOUTS: dict[str, dict[str, str]] = {
     # BytedTsinghua-SIA/DAPO-Math-17k: prompt is a one-message chat list, the answer is reward_model.ground_truth.
@@ -68,19 +67,7 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, Any]]:
                 yield f"{p}:row {row}", record
                 row += 1
         return
-    with p.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            where = f"{p}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataFormatError(f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte offset {exc.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataFormatError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    yield from iter_json_lines(p)
 
 
 def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:

@@ -260,27 +260,27 @@ class WeightEndpoints:
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         """Free weight storage (tag 'weights') and stop generating until resumed (colocated training)."""
-        if (resp := self._not_ready()) is not None:
-            return resp
-        try:
-            tags = wr.parse_tags((await self._body(request, allow_empty=True)).get("tags"))
-        except wr.WeightUpdateError as exc:
-            return _result(False, str(exc))
 
-        def job() -> None:
-            for tag in tags:
-                if tag in self._released:
-                    continue
+        def release(tag: str) -> None:
+            if tag not in self._released:
                 # no KV cache outlives a batch here, so releasing it only blocks generation
                 self._released[tag] = (wr.release_weights(self.server.engine.model, self.weights_cpu_backup)
                                        if tag == "weights" else None)
-            self.record("release", tags=list(tags))
 
-        await asyncio.get_running_loop().run_in_executor(self.server._executor, job)
-        return _result(True, f"Released memory of {list(tags)}.")
+        return await self._memory_occupation(request, "release", release)
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
         """Re-allocate released memory (weights come back from their backup with --enable-weights-cpu-backup, else zero-filled: push them again)."""
+
+        def resume(tag: str) -> None:
+            held = self._released.pop(tag, None)
+            if tag == "weights" and held is not None:
+                wr.resume_weights(held)
+
+        return await self._memory_occupation(request, "resume", resume)
+
+    async def _memory_occupation(self, request: web.Request, event: str, apply: Callable[[str], None]) -> web.Response:
+        """Release/resume: the request's tags, `apply(tag)` to each on the engine's executor, one `event` record."""
         if (resp := self._not_ready()) is not None:
             return resp
         try:
@@ -290,10 +290,8 @@ class WeightEndpoints:
 
         def job() -> None:
             for tag in tags:
-                held = self._released.pop(tag, None)
-                if tag == "weights" and held is not None:
-                    wr.resume_weights(held)
-            self.record("resume", tags=list(tags))
+                apply(tag)
+            self.record(event, tags=list(tags))
 
         await asyncio.get_running_loop().run_in_executor(self.server._executor, job)
-        return _result(True, f"Resumed memory of {list(tags)}.")
+        return _result(True, f"{event.capitalize()}d memory of {list(tags)}.")
