@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from megatron_rl.rollout.launcher import launch_engines
-    from megatron_rl.rollout.testing import make_tiny_model
+    from megatron_rl.engine.testing import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_model(tmp + "/m")

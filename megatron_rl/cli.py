@@ -221,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _quiet_known_upstream_warnings()
     if argv and argv[0] == "serve":
-        from megatron_rl.rollout.server import main as serve_main
+        from megatron_rl.engine.server import main as serve_main
 
         return serve_main(argv[1:]) or 0
     parser = build_parser()

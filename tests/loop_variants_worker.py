@@ -58,7 +58,7 @@ def main() -> None:
     """Run every case against one ThreadedServer."""
     from megatron_rl.config import load_config
     from megatron_rl.loop import run
-    from megatron_rl.rollout.testing import ThreadedServer
+    from megatron_rl.engine.testing import ThreadedServer
 
     warm, out = Path(sys.argv[1]), Path(sys.argv[2])
     with ThreadedServer(str(warm / "sft" / "hf"), str(warm / "sft" / "hf")) as server:

@@ -29,7 +29,7 @@ def test_every_argument_has_a_help_line(command):
 
 
 def test_serve_arguments_have_help_lines():
-    from megatron_rl.rollout.server import build_arg_parser
+    from megatron_rl.engine.server import build_arg_parser
 
     assert not _undocumented(build_arg_parser())
 

@@ -7,8 +7,8 @@ from safetensors.torch import load_file
 from megatron_rl.cli import main
 from megatron_rl.precision import quantize_blockwise
 from megatron_rl.precision.w8a8 import w8a8_weights
-from megatron_rl.rollout.engine import load_hf_model
-from megatron_rl.rollout.testing import make_tiny_model
+from megatron_rl.engine.generation import load_hf_model
+from megatron_rl.engine.testing import make_tiny_model
 
 
 def test_hf_to_fp8_conversion_is_served_with_the_same_bits(tmp_path):

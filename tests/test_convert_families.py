@@ -81,8 +81,8 @@ def test_megatron_logits_match_transformers(tmp_path, family):
 def test_fp8_from_megatron_equals_fp8_from_hf_and_is_served(tmp_path):
     from megatron_rl.precision import quantize_blockwise
     from megatron_rl.rollout.client import RolloutClient
-    from megatron_rl.rollout.engine import load_hf_model
-    from megatron_rl.rollout.testing import ThreadedServer, make_tiny_tokenizer
+    from megatron_rl.engine.generation import load_hf_model
+    from megatron_rl.engine.testing import ThreadedServer, make_tiny_tokenizer
     from megatron_rl.precision.w8a8 import w8a8_weights
 
     make_hf_model("qwen2", tmp_path / "hf", dtype=torch.bfloat16)
@@ -140,7 +140,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
 
 def test_learner_vocabulary_follows_the_init_checkpoint_not_the_tokenizer(tmp_path):
     """Real checkpoints pad the embedding beyond the tokenizer (Qwen3: 151936 rows for 151669 tokens)."""
-    from megatron_rl.rollout.testing import make_tiny_tokenizer
+    from megatron_rl.engine.testing import make_tiny_tokenizer
     from megatron_rl.warm_start import model_vocab_size
 
     make_hf_model("qwen3", tmp_path / "hf")

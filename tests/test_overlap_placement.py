@@ -180,7 +180,7 @@ def test_colocated_run_releases_before_training_and_serves_the_learners_weights(
     from megatron_rl.convert import iter_megatron_as_hf
     from megatron_rl.phases.weights import rollout_payload
     from megatron_rl.rollout.client import RolloutClient
-    from megatron_rl.rollout.testing import ThreadedServer
+    from megatron_rl.engine.testing import ThreadedServer
     from megatron_rl.trainer.checkpoint_reader import checkpoint_architecture
     from test_weight_receiver import post
 

@@ -88,7 +88,7 @@ def test_router_policies(tmp_path):
 
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.launcher import _spawn, free_port, router_command, wait_router
-    from megatron_rl.rollout.testing import ThreadedServer, make_tiny_model
+    from megatron_rl.engine.testing import ThreadedServer, make_tiny_model
 
     make_tiny_model(str(tmp_path / "m"))
     with ThreadedServer(str(tmp_path / "m")) as a, ThreadedServer(str(tmp_path / "m")) as b:

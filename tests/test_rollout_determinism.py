@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from megatron_rl.rollout.client import RolloutClient
-from megatron_rl.rollout.testing import ThreadedServer, make_tiny_model
+from megatron_rl.engine.testing import ThreadedServer, make_tiny_model
 
 # prompts of different lengths: batched together they are left-padded to the longest one
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [10], [11, 12, 13], [14, 15, 16, 17, 18], [19, 20]]
@@ -42,7 +42,7 @@ def test_concurrent_requests_are_batched_by_default(tmp_path):
 
 # the parent pid is read before the (slow, under load) import: read after it, a parent killed meanwhile
 # would already be replaced by the reaper and the watchdog would watch the wrong process
-CHILD = ("import os, time; parent = os.getppid(); from megatron_rl.rollout.server import watch_parent; "
+CHILD = ("import os, time; parent = os.getppid(); from megatron_rl.engine.server import watch_parent; "
          "watch_parent(parent, 0.05); time.sleep(120)")
 MIDDLE = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
           "print(p.pid, flush=True); time.sleep(120)")

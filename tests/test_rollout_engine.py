@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-from megatron_rl.rollout.engine import (
+from megatron_rl.engine.generation import (
     Engine, GenerationRequest, SamplingParams, SamplingParamsError, filter_probs,
 )
-from megatron_rl.rollout.testing import make_tiny_model, make_tiny_tokenizer, teacher_forced_logprobs
+from megatron_rl.engine.testing import make_tiny_model, make_tiny_tokenizer, teacher_forced_logprobs
 
 torch.set_num_threads(1)
 
@@ -195,7 +195,7 @@ def test_model_loader_hook_and_reload(tmp_path):
 
     def loader(path):
         calls.append(path)
-        from megatron_rl.rollout.engine import load_hf_model
+        from megatron_rl.engine.generation import load_hf_model
         return load_hf_model(path)
 
     engine = Engine(str(tmp_path / "a"), model_loader=loader)

@@ -9,14 +9,14 @@ import torch
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.launcher import LaunchError, engine_command, launch_engines, router_command
 from megatron_rl.rollout.sync import DiskWeightSync
-from megatron_rl.rollout.testing import make_tiny_model, teacher_forced_logprobs
+from megatron_rl.engine.testing import make_tiny_model, teacher_forced_logprobs
 
 torch.set_num_threads(1)
 
 
 def test_commands():
     cmd = engine_command("/m", 1234, tokenizer_path="/t", random_seed=3, model_loader="pkg.mod:fn")
-    assert cmd[1:3] == ["-m", "megatron_rl.rollout.server"]
+    assert cmd[1:3] == ["-m", "megatron_rl.engine.server"]
     for flag, value in [("--model-path", "/m"), ("--port", "1234"), ("--tokenizer-path", "/t"),
                         ("--random-seed", "3"), ("--model-loader", "pkg.mod:fn"), ("--host", "127.0.0.1")]:
         assert cmd[cmd.index(flag) + 1] == value

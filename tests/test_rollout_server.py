@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.client import RolloutClient, RolloutServerError, parse_generate_response
-from megatron_rl.rollout.testing import ThreadedServer, make_tiny_model, make_tiny_tokenizer, teacher_forced_logprobs
+from megatron_rl.engine.testing import ThreadedServer, make_tiny_model, make_tiny_tokenizer, teacher_forced_logprobs
 
 torch.set_num_threads(1)
 

@@ -18,8 +18,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.rollout.engine import NEUTRAL_SAMPLING_KEYS, SUPPORTED_SAMPLING_KEYS
-from megatron_rl.rollout.testing import TINY_VOCAB, ThreadedServer, make_tiny_model, make_tiny_tokenizer
+from megatron_rl.engine.generation import NEUTRAL_SAMPLING_KEYS, SUPPORTED_SAMPLING_KEYS
+from megatron_rl.engine.testing import TINY_VOCAB, ThreadedServer, make_tiny_model, make_tiny_tokenizer
 
 torch.set_num_threads(1)
 

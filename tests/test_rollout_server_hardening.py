@@ -14,12 +14,12 @@ import aiohttp
 import pytest
 import torch
 
-from megatron_rl.rollout import server as server_mod
+from megatron_rl.engine import server as server_mod
 from megatron_rl.rollout.client import RolloutClient, RolloutServerError
 from megatron_rl.rollout.launcher import engine_command, engine_max_n, launch_engines
-from megatron_rl.rollout.server import RolloutServer, build_arg_parser, discover_tokenizer
-from megatron_rl.rollout.testing import TINY_VOCAB, ThreadedServer, make_tiny_model, make_tiny_tokenizer
-from megatron_rl.rollout.validation import DEFAULT_MAX_N
+from megatron_rl.engine.server import RolloutServer, build_arg_parser, discover_tokenizer
+from megatron_rl.engine.testing import TINY_VOCAB, ThreadedServer, make_tiny_model, make_tiny_tokenizer
+from megatron_rl.engine.validation import DEFAULT_MAX_N
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from megatron_rl.rollout.client import RolloutClient, RolloutServerError
 from megatron_rl.rollout.sync import TRANSPORTS, DiskWeightSync, get_transport
-from megatron_rl.rollout.testing import ThreadedServer, make_tiny_model, teacher_forced_logprobs
+from megatron_rl.engine.testing import ThreadedServer, make_tiny_model, teacher_forced_logprobs
 
 torch.set_num_threads(1)
 

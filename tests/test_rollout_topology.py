@@ -160,7 +160,7 @@ def test_resolve_external_without_router():
 @needs_router
 def test_router_is_recognised_and_never_a_weight_target(tmp_path):
     from megatron_rl.rollout.launcher import free_port, router_command, wait_router, _spawn
-    from megatron_rl.rollout.testing import ThreadedServer, make_tiny_model
+    from megatron_rl.engine.testing import ThreadedServer, make_tiny_model
 
     make_tiny_model(str(tmp_path / "m"))
     with ThreadedServer(str(tmp_path / "m")) as engine:
@@ -190,7 +190,7 @@ def test_sigkilled_engine_loses_no_sample(tmp_path):
     """Two slow embedded engines behind the real router; one is SIGKILLed mid-rollout; then weight sync restarts it."""
     from megatron_rl.rollout.launcher import launch_engines
     from megatron_rl.rollout.sync import DiskWeightSync
-    from megatron_rl.rollout.testing import make_tiny_model
+    from megatron_rl.engine.testing import make_tiny_model
 
     make_tiny_model(str(tmp_path / "m"), seed=0)
     new = make_tiny_model(str(tmp_path / "new"), seed=9)
@@ -198,7 +198,7 @@ def test_sigkilled_engine_loses_no_sample(tmp_path):
     params = [{"n": 2, "max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 50 + k}
               for k in range(8)]
     with launch_engines(str(tmp_path / "m"), 2, use_router=True, deterministic=True, startup_timeout_s=120,
-                        log_dir=str(tmp_path / "logs"), model_loader="megatron_rl.rollout.testing:load_slow_model") as cluster:
+                        log_dir=str(tmp_path / "logs"), model_loader="megatron_rl.engine.testing:load_slow_model") as cluster:
         via_router = RolloutClient(cluster.generate_url, concurrency=4, max_retries=0)
         reference = via_router.generate_batch_sync(prompts, params)
 

@@ -1,12 +1,12 @@
-"""/generate body validation (rollout/validation.py) against a real tiny engine: every field checked before batching."""
+"""/generate body validation (engine/validation.py) against a real tiny engine: every field checked before batching."""
 import math
 
 import pytest
 import torch
 
-from megatron_rl.rollout.engine import Engine, GenerationRequest, SamplingParams
-from megatron_rl.rollout.testing import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
-from megatron_rl.rollout.validation import ModelFacts, RequestError, RequestLimits, validate_generate
+from megatron_rl.engine.generation import Engine, GenerationRequest, SamplingParams
+from megatron_rl.engine.testing import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from megatron_rl.engine.validation import ModelFacts, RequestError, RequestLimits, validate_generate
 
 torch.set_num_threads(1)
 

@@ -153,7 +153,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_fake_sglang_start_generate_teardown(tmp_path, fake_sglang_env):
     from megatron_rl.rollout.client import RolloutClient
-    from megatron_rl.rollout.testing import make_tiny_model
+    from megatron_rl.engine.testing import make_tiny_model
     from megatron_rl.precision.rollout_formats import load_quantized_model
 
     make_tiny_model(str(tmp_path / "hf"), seed=5)
@@ -196,7 +196,7 @@ def test_fake_sglang_start_generate_teardown(tmp_path, fake_sglang_env):
 
 
 def test_fake_sglang_failure_to_start_reports_log_tail(tmp_path, fake_sglang_env):
-    from megatron_rl.rollout.testing import make_tiny_model
+    from megatron_rl.engine.testing import make_tiny_model
 
     make_tiny_model(str(tmp_path / "hf"), seed=5)
     cfg = RolloutConfig(engine="sglang", sglang_python=sys.executable, startup_timeout_s=60,
@@ -211,7 +211,7 @@ def test_fake_sglang_failure_to_start_reports_log_tail(tmp_path, fake_sglang_env
 def test_engines_cli_prints_urls_and_its_engines_die_with_it(tmp_path, fake_sglang_env):
     """`megatron-rl engines CONFIG` (the interface the Slurm script uses); SIGKILL of it takes the SGLang engine along."""
     from megatron_rl.rollout.client import RolloutClient
-    from megatron_rl.rollout.testing import make_tiny_model
+    from megatron_rl.engine.testing import make_tiny_model
 
     make_tiny_model(str(tmp_path / "hf"), seed=5)
     urls_file = tmp_path / "urls.json"

@@ -135,7 +135,7 @@ def test_failed_send_still_finishes_and_reports(learner):
 
 def test_streamed_checkpoint_loads_as_the_learner_model(learner, tmp_path):
     from megatron_rl.models.presets import hf_config
-    from megatron_rl.rollout.engine import load_hf_model
+    from megatron_rl.engine.generation import load_hf_model
 
     def prepare(staging):
         hf_config(learner.arch).save_pretrained(staging)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_rl.parallel.weight_group import destroy_weight_update_group, free_port, init_weight_update_group
-from megatron_rl.rollout.testing import make_tiny_model, teacher_forced_logprobs
+from megatron_rl.engine.testing import make_tiny_model, teacher_forced_logprobs
 
 torch.set_num_threads(1)
 ENGINE_TIMEOUT_S = 4.0
@@ -226,7 +226,8 @@ def test_serializer_refuses_anything_but_tensors():
     import base64
     import pickle
 
-    from megatron_rl.rollout.sync.serialization import deserialize_named_tensors, serialize_named_tensors
+    from megatron_rl.engine.tensor_payload import deserialize_named_tensors
+    from megatron_rl.rollout.sync.serialization import serialize_named_tensors
 
     class Evil:
         def __reduce__(self):
@@ -244,7 +245,7 @@ def test_every_response_names_the_weights_that_produced_it(tmp_path):
     log-probs are those of the version it reports."""
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.sync import TensorWeightSync
-    from megatron_rl.rollout.testing import ThreadedServer
+    from megatron_rl.engine.testing import ThreadedServer
 
     models = {0: make_tiny_model(str(tmp_path / "a"), seed=0), 1: make_tiny_model(str(tmp_path / "b"), seed=3)}
     states = {k: [(n, t) for n, t in m.state_dict().items() if n != "lm_head.weight"] for k, m in models.items()}
@@ -287,7 +288,7 @@ def test_weights_cpu_backup_restores_the_served_weights_and_events_are_logged(tm
     """--enable-weights-cpu-backup (colocated engines): resume brings back the released weights, bit for bit; without
     it they come back zero-filled. /server_info lists release/resume/update/generate events in order."""
     from megatron_rl.rollout.client import RolloutClient
-    from megatron_rl.rollout.testing import ThreadedServer
+    from megatron_rl.engine.testing import ThreadedServer
 
     make_tiny_model(str(tmp_path / "m"), seed=0)
     name = "model.layers.0.mlp.down_proj.weight"

@@ -31,7 +31,7 @@ def test_bad_values_are_named_at_load_time(overrides, message):
 
 
 def test_every_transport_builds_from_config(tmp_path):
-    from megatron_rl.rollout.testing import make_tiny_model
+    from megatron_rl.engine.testing import make_tiny_model
 
     make_tiny_model(str(tmp_path / "hf"), seed=0)
     for name, cls in TRANSPORTS.items():

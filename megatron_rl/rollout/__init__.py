@@ -1,5 +1,5 @@
-"""Rollout: the SGLang-protocol HTTP client, the embedded CPU engine/server, its launcher, and weight sync.
+"""Rollout: the SGLang-protocol HTTP client, engine launchers and topology, and weight sync (rollout/sync/).
 
-Importing this package is cheap: submodules (engine and sync need torch; client needs only aiohttp)
-are imported on use.
+The embedded SGLang-compatible engine these talk to on CPU is its own package (megatron_rl/engine/).
+Importing this package is cheap: submodules (sync needs torch; client needs only aiohttp) are imported on use.
 """

@@ -5,7 +5,7 @@
         sync_targets = cluster.worker_urls                # weight updates go to every worker
 
 The router forwards /generate but not weight updates, so weight sync always addresses
-`worker_urls`. Embedded engines run `sys.executable -m megatron_rl.rollout.server ...`; SGLang
+`worker_urls`. Embedded engines run `sys.executable -m megatron_rl.engine.server ...`; SGLang
 engines run `sglang.launch_server` (rollout/sglang_launcher.py builds those command lines).
 A start that dies or stays unhealthy raises `LaunchError` with the tail of that process's log.
 
@@ -234,7 +234,7 @@ def engine_command(model_path: str, port: int, host: str = "127.0.0.1", tokenize
                    max_n: Optional[int] = None) -> list[str]:
     """argv of one embedded engine (with `parent_pid` it exits when that process dies; with `api_key`
     it requires that bearer key; `max_n` raises its limit on samples per prompt)."""
-    cmd = [sys.executable, "-m", "megatron_rl.rollout.server", "--model-path", model_path, "--host", host,
+    cmd = [sys.executable, "-m", "megatron_rl.engine.server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--random-seed", str(random_seed), "--num-threads", str(num_threads)]
     if tokenizer_path:
         cmd += ["--tokenizer-path", tokenizer_path]
@@ -255,7 +255,7 @@ def engine_command(model_path: str, port: int, host: str = "127.0.0.1", tokenize
 
 def engine_max_n(n_samples_per_prompt: int) -> Optional[int]:
     """The --max-n an embedded engine needs for GRPO groups of this size (None: the server's default suffices)."""
-    from megatron_rl.rollout.validation import DEFAULT_MAX_N
+    from megatron_rl.engine.validation import DEFAULT_MAX_N
 
     return n_samples_per_prompt if n_samples_per_prompt > DEFAULT_MAX_N else None
 

@@ -64,8 +64,8 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("layout", [["--pp", "2"], ["--tp", "2"]], ids=["pp2", "tp2"])
 def test_learner_streams_fp8_weights_into_engines(setup, tmp_path, layout):
     from megatron_rl.precision.hf_fp8 import load_fp8_checkpoint, quantize_state_dict
-    from megatron_rl.rollout.engine import load_hf_model
-    from megatron_rl.rollout.testing import teacher_forced_logprobs
+    from megatron_rl.engine.generation import load_hf_model
+    from megatron_rl.engine.testing import teacher_forced_logprobs
 
     root, urls, target = setup
     reset = {u: _post(u, "/update_weights_from_disk", {"model_path": str(root / "initial_fp8"), "weight_version": "A"})

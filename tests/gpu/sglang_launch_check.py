@@ -31,10 +31,10 @@ def main() -> int:
     from megatron_rl.config.rollout import RolloutConfig
     from megatron_rl.precision.rollout_formats import rollout_format
     from megatron_rl.rollout.client import RolloutClient
-    from megatron_rl.rollout.engine import Engine, GenerationRequest, SamplingParams
+    from megatron_rl.engine.generation import Engine, GenerationRequest, SamplingParams
     from megatron_rl.rollout.sglang_launcher import launch_sglang_engines
     from megatron_rl.rollout.sync import DiskWeightSync
-    from megatron_rl.rollout.testing import make_tiny_model
+    from megatron_rl.engine.testing import make_tiny_model
 
     p = argparse.ArgumentParser()
     p.add_argument("--sglang-python", default=sys.executable)

@@ -63,7 +63,8 @@ def fp8_quantization_matches_cpu() -> None:
 
 
 def cuda_ipc_payload_opens_in_another_process() -> None:
-    from megatron_rl.rollout.sync.serialization import deserialize_named_tensors, serialize_named_tensors
+    from megatron_rl.engine.tensor_payload import deserialize_named_tensors
+    from megatron_rl.rollout.sync.serialization import serialize_named_tensors
 
     t = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4) * 0.5
     blob = serialize_named_tensors([("w", t)])
@@ -91,7 +92,7 @@ def cuda_tensors_into_cpu_engine() -> None:
 
     from megatron_rl.rollout.launcher import launch_engines
     from megatron_rl.rollout.sync import DistributedWeightSync, TensorWeightSync
-    from megatron_rl.rollout.testing import make_tiny_model
+    from megatron_rl.engine.testing import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_model(f"{tmp}/base", seed=0)

@@ -10,7 +10,7 @@ from megatron_rl.precision.rollout_formats import (
     ROLLOUT_FORMATS, checkpoint_format, load_quantized_model, rollout_format, write_launch_checkpoint,
 )
 from megatron_rl.rollout.sync.disk import write_hf_checkpoint
-from megatron_rl.rollout.testing import make_tiny_model
+from megatron_rl.engine.testing import make_tiny_model
 
 torch.set_num_threads(1)
 
@@ -61,7 +61,7 @@ def _reference_channel_forward(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor
 
 def test_fp8_channel_end_to_end_engine_serves_the_trainer_bits(tmp_path):
     from megatron_rl.precision.w8a8 import W8A8Linear
-    from megatron_rl.rollout.engine import load_hf_model
+    from megatron_rl.engine.generation import load_hf_model
 
     model = make_tiny_model(str(tmp_path / "hf"), seed=3)
     precision = PrecisionConfig(rollout_quantization="fp8-channel")
@@ -138,7 +138,7 @@ def test_fp8_kv_cache_stores_quantized_keys_and_values(tmp_path):
 
 def test_engine_with_fp8_kv_cache_matches_teacher_forced_fp8_reference(tmp_path):
     from megatron_rl.precision.kv_cache import new_kv_cache
-    from megatron_rl.rollout.engine import Engine, GenerationRequest, SamplingParams
+    from megatron_rl.engine.generation import Engine, GenerationRequest, SamplingParams
 
     model = make_tiny_model(str(tmp_path / "m"), seed=4)
     prompt = [3, 8, 13, 21]

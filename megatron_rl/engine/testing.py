@@ -1,4 +1,4 @@
-"""Test helpers for rollout: a tiny random Qwen3 saved to disk, a tiny word-level tokenizer, and an
+"""Test helpers for the engine and rollout tests: a tiny random Qwen3 saved to disk, a tiny word-level tokenizer, and an
 embedded server running in a background thread (real HTTP on 127.0.0.1, no subprocess start-up cost).
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class ThreadedServer:
 
     def __init__(self, model_path: str, tokenizer_path: Optional[str] = None, startup_timeout_s: float = 60.0, **kwargs):
         """Arguments are passed to RolloutServer; the port is chosen by the OS."""
-        from megatron_rl.rollout.server import RolloutServer
+        from megatron_rl.engine.server import RolloutServer
 
         self.server = RolloutServer(model_path, tokenizer_path, **kwargs)
         self.startup_timeout_s = startup_timeout_s
@@ -143,8 +143,8 @@ SLOW_FORWARD_S = 0.05
 
 
 def load_slow_model(path: str) -> torch.nn.Module:
-    """Model loader (`--model-loader megatron_rl.rollout.testing:load_slow_model`): the default HF model, each forward delayed by SLOW_FORWARD_S."""
-    from megatron_rl.rollout.engine import load_hf_model
+    """Model loader (`--model-loader megatron_rl.engine.testing:load_slow_model`): the default HF model, each forward delayed by SLOW_FORWARD_S."""
+    from megatron_rl.engine.generation import load_hf_model
 
     model = load_hf_model(path)
 

@@ -12,7 +12,7 @@
 Updates answer {"success", "message"} (HTTP 400 on failure). Receiving (rendezvous, broadcasts,
 shared-memory handles) runs on a thread pool of its own, so generation continues on the old
 weights meanwhile; the check-and-swap runs on the engine's worker thread between batches
-(rollout/weight_receiver.py), which also sets the weight version the next batch is tagged with.
+(engine/weight_receiver.py), which also sets the weight version the next batch is tagged with.
 """
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ from typing import Any, Awaitable, Callable, Optional
 from aiohttp import web
 
 from megatron_rl.parallel.weight_group import DEFAULT_GROUP_NAME
-from megatron_rl.rollout import weight_receiver as wr
+from megatron_rl.engine import weight_receiver as wr
 
 EVENT_LOG_SIZE = 4096
 """Events an engine remembers for /server_info (enough for a tiny run's whole history)."""
 
-log = logging.getLogger("megatron_rl.rollout.weights")
+log = logging.getLogger("megatron_rl.engine.weights")
 
 ReadJson = Callable[..., Awaitable[dict]]
 
@@ -206,7 +206,7 @@ class WeightEndpoints:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """Map the tensors behind serialized handles (TP rank 0's entry), verify, swap."""
-        from megatron_rl.rollout.sync.serialization import deserialize_named_tensors, named_tensor_list, unflatten_bucket
+        from megatron_rl.engine.tensor_payload import deserialize_named_tensors, named_tensor_list, unflatten_bucket
 
         if (resp := self._not_ready()) is not None:
             return resp

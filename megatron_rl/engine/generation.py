@@ -320,7 +320,7 @@ class Engine:
     def load_weights(self, path: str) -> None:
         """Replace the model with the one at `path` (built by the same loader) after checking it has the served
         architecture (config fields, every tensor's name, shape and dtype); the old one stays on any failure."""
-        from megatron_rl.rollout.weight_receiver import check_same_architecture
+        from megatron_rl.engine.weight_receiver import check_same_architecture
 
         model = self.model_loader(path)
         check_same_architecture(self.model, model, f"checkpoint {path!r}")

@@ -5,15 +5,15 @@ single worker thread (the event loop never blocks), so a trainer sending many co
 requests gets batched decoding like from a real SGLang server. Weight reloads run on the same
 worker thread, between batches.
 
-Every /generate body is validated (rollout/validation.py) before it joins a batch; a batch that
+Every /generate body is validated (engine/validation.py) before it joins a batch; a batch that
 still fails at run time is retried item by item, so a failing request fails alone with its own
 status and its batch-mates complete. Bodies are read with a size limit and a timeout and parsed off
-the event loop, and `--api-key` guards every endpoint but /health (rollout/http.py).
+the event loop, and `--api-key` guards every endpoint but /health (engine/http.py).
 
 Run:
     megatron-rl serve --model-path DIR [--tokenizer-path DIR] [--api-key KEY] \
         --host 127.0.0.1 --port 30000 --random-seed 0 [--model-loader pkg.module:function]
-(`python -m megatron_rl.rollout.server` takes the same flags.)
+(`python -m megatron_rl.engine.server` takes the same flags.)
 """
 from __future__ import annotations
 
@@ -32,18 +32,18 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from megatron_rl.rollout.engine import (
+from megatron_rl.engine.generation import (
     Engine, GenerationOutput, GenerationRequest, InvalidRequest, ModelLoader, SamplingParams,
 )
-from megatron_rl.rollout.http import (
+from megatron_rl.engine.http import (
     BadRequest, api_key_middleware, body_middleware, error_response, gc_paused, parse_json_object, read_json,
 )
-from megatron_rl.rollout.validation import (
+from megatron_rl.engine.validation import (
     DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST, ModelFacts, RequestError, RequestLimits, validate_generate,
 )
-from megatron_rl.rollout.weight_endpoints import WeightEndpoints
+from megatron_rl.engine.weight_endpoints import WeightEndpoints
 
-log = logging.getLogger("megatron_rl.rollout.server")
+log = logging.getLogger("megatron_rl.engine.server")
 
 SERVER_VERSION = "megatron_rl-embedded-0.1"
 HEALTH_GENERATE_TIMEOUT_S = 20.0

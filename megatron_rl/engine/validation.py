@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_rl.rollout.engine import GenerationRequest, InvalidRequest, SamplingParams
+from megatron_rl.engine.generation import GenerationRequest, InvalidRequest, SamplingParams
 
 DEFAULT_MAX_N = 256
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 1024
