@@ -58,10 +58,17 @@ def run_distributed(
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", str(script), *map(str, args),
         ]
-        try:
-            proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"{script.name} x{nproc} timed out after {timeout}s\n{(exc.stderr or '')[-4000:]}") from exc
+        # output to files, not pipes: a helper the ranks start (torch_shm_manager, for the tensor transport's shared
+        # memory) lives as long as an engine maps its segments and would hold a pipe open after the ranks exit
+        with open(Path(out) / "stdout", "w+") as stdout, open(Path(out) / "stderr", "w+") as stderr:
+            try:
+                proc = subprocess.run(cmd, env=child_env, stdout=stdout, stderr=stderr, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired as exc:
+                stderr.seek(0)
+                raise AssertionError(f"{script.name} x{nproc} timed out after {timeout}s\n{stderr.read()[-4000:]}") from exc
+            stdout.seek(0)
+            stderr.seek(0)
+            proc.stdout, proc.stderr = stdout.read(), stderr.read()
         if proc.returncode != 0:
             raise AssertionError(
                 f"{script.name} x{nproc} {' '.join(map(str, args))} failed (rc={proc.returncode})\n"

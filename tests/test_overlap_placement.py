@@ -154,7 +154,8 @@ def warm(tmp_path_factory):
 def _compress(events: list[dict]) -> list[str]:
     out = []
     for e in events:
-        name = e["event"] + ("" if e["event"] in ("generate", "release", "resume") else f"@{e['weight_version']}")
+        name = e["event"] + ("" if e["event"] in ("generate", "release", "resume", "session_begin", "session_end")
+                             else f"@{e['weight_version']}")
         if not (out and out[-1] == name == "generate"):
             out.append(name)
     return out
@@ -208,9 +209,13 @@ def test_colocated_run_releases_before_training_and_serves_the_learners_weights(
             served[name] = torch.tensor(body, dtype=torch.float64)
     assert [r["rollout/weight_version"] for r in rows] == [0.0, 1.0]
     assert all("time/release_memory" in r and "time/resume_memory" in r for r in rows)
-    # eval before RL, then per step: rollout, release (training), resume, the new version, and eval after RL
-    assert _compress(events) == ["update@0", "generate", "release", "resume", "update@1", "generate", "release",
-                                 "resume", "update@2", "generate"]
+    # eval before RL, then per step: rollout, release (training), resume, the new version (inside SGLang's
+    # weight-update session), and eval after RL
+    def sync(v: int) -> list[str]:
+        return ["session_begin", f"update@{v}", "session_end"]
+
+    assert _compress(events) == [*sync(0), "generate", "release", "resume", *sync(1), "generate", "release", "resume",
+                                 *sync(2), "generate"]
     for name, tensor in expected.items():
         assert torch.equal(served[name].reshape(tensor.shape), tensor.double()), name
 

@@ -221,8 +221,8 @@ def test_fuzzed_raw_bytes_never_5xx(server, data):
 
 
 CONTROL_PATHS = ["/abort_request", "/update_weight_version", "/update_weights_from_disk", "/flush_cache",
-                 "/pause_generation", "/continue_generation", "/get_weight_version", "/model_info", "/server_info",
-                 "/health", "/health_generate"]
+                 "/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update",
+                 "/model_info", "/server_info", "/health", "/health_generate"]
 
 
 @settings(FUZZ, max_examples=80)
@@ -231,7 +231,8 @@ CONTROL_PATHS = ["/abort_request", "/update_weight_version", "/update_weights_fr
                                                               "rid": json_values, "abort_all": json_values,
                                                               "mode": st.one_of(st.sampled_from(["abort", "in_place", "retract"]), json_values),
                                                               "new_version": json_values, "model_path": json_values,
-                                                              "load_format": json_values, "weight_version": json_values}))),
+                                                              "load_format": json_values, "weight_version": json_values,
+                                                              "selector": json_values}))),
        method=st.sampled_from(["POST", "GET"]))
 def test_fuzzed_control_endpoints_never_5xx_and_server_stays_healthy(server, path, body, method):
     try:
@@ -240,6 +241,7 @@ def test_fuzzed_control_endpoints_never_5xx_and_server_stays_healthy(server, pat
     finally:
         # a fuzzed pause must not hold the next example's requests
         send(server.url, "/continue_generation", b"{}")
+        send(server.url, "/end_weight_update", b"{}")
         send(server.url, "/update_weight_version", encode({"new_version": "default"}))
     assert send(server.url, "/health", method="GET")[0] == 200
     status, raw = send(server.url, "/generate", encode(GOOD))

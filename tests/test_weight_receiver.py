@@ -1,7 +1,9 @@
 """The embedded engine's weight endpoints, driven as a trainer drives SGLang (engine in a subprocess, trainer here).
 
 A gloo group opened with /init_weights_update_group, tensors broadcast through
-/update_weights_from_distributed and read back with /get_weights_by_name and /generate; bad requests
+/update_weights_from_distributed inside a weight-update session (the engine runs in its default
+SGLang 0.5.23 mode, which refuses updates outside one without joining the broadcast) and read back
+with /get_weights_by_name and /generate; bad requests
 (unknown group, shape/dtype mismatch, unknown name, a broadcast that never comes) fail with a clear
 message within the engine's timeout and leave the served weights alone; the tensor transport with
 release/resume of memory; the architecture check of /update_weights_from_disk.
@@ -10,6 +12,7 @@ Run: pytest -q tests/test_weight_receiver.py
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -67,6 +70,16 @@ def engine(tmp_path_factory):
         cluster.stop()
 
 
+@contextlib.contextmanager
+def session(url: str):
+    """SGLang 0.5.23's weight-update session around the updates made inside."""
+    assert post(url, "/begin_weight_update", {"selector": "all"}) == (200, {"success": True, "message": "Success"})
+    try:
+        yield
+    finally:
+        assert post(url, "/end_weight_update", {}) == (200, {"success": True, "message": "Success"})
+
+
 class Trainer:
     """Rank 0 of a weight-update group with one engine, as a trainer script written for SGLang does it."""
 
@@ -108,10 +121,20 @@ def test_trainer_probe_updates_weights_and_generation(engine):
         names = list(tsd)
         bf16 = "model.layers.0.mlp.down_proj.weight"  # a bf16 tensor is cast into the fp32 engine, as SGLang does
         named = [(n, tsd[n].to(torch.bfloat16) if n == bf16 else tsd[n]) for n in names]
-        status, body = trainer.update(named[:10])
-        assert status == 200 and body["success"], body
-        status, body = trainer.update(named[10:], version="step-1")
-        assert status == 200 and body["success"] and "step-1" in body["message"], body
+        # outside a session: SGLang 0.5.23's refusal, at once and without joining the broadcast
+        t0 = time.monotonic()
+        assert trainer.update(named[:10], broadcast=False) == (400, {"success": False, "message": (
+            "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")})
+        assert time.monotonic() - t0 < ENGINE_TIMEOUT_S
+        with session(url):
+            assert post(url, "/begin_weight_update", {}) == (400, {"success": False, "message": (
+                "a weight-update session is already open; call end_weight_update() first")})
+            status, body = trainer.update(named[:10])  # the group is still in step: nothing was consumed above
+            assert status == 200 and body["success"], body
+            status, body = trainer.update(named[10:], version="step-1")
+            assert status == 200 and body["success"] and "step-1" in body["message"], body
+        assert post(url, "/end_weight_update", {}) == (400, {"success": False, "message": (
+            "no weight-update session is open; call begin_weight_update() first")})
     finally:
         trainer.close()
     for n in names:
@@ -134,6 +157,15 @@ def test_bad_requests_fail_clearly_and_keep_the_served_weights(engine):
     name = "model.layers.1.self_attn.o_proj.weight"
     served = weights_of(url, name)
     version = greedy(url)["meta_info"]["weight_version"]
+    with session(url):  # every update below is inside a session: only its own problems are refused
+        _bad_requests_are_refused(url, name, served)
+    assert torch.equal(weights_of(url, name), served)
+    assert greedy(url)["meta_info"]["weight_version"] == version
+    status, answer = post(url, "/get_weights_by_name", {"name": "model.nope.weight"})
+    assert status == 400 and "no tensor 'model.nope.weight'" in answer["error"]["message"]
+
+
+def _bad_requests_are_refused(url: str, name: str, served: torch.Tensor) -> None:
     status, body = post(url, "/update_weights_from_distributed",
                         {"names": [name], "dtypes": ["float32"], "shapes": [list(served.shape)], "group_name": "nope"})
     assert status == 400 and "no weight-update group named 'nope'" in body["message"]
@@ -166,8 +198,6 @@ def test_bad_requests_fail_clearly_and_keep_the_served_weights(engine):
         assert status == 400 and "no weight-update group" in body["message"]  # the broken group was dropped
     finally:
         destroy_weight_update_group(trainer.pg)
-    assert torch.equal(weights_of(url, name), served)
-    assert greedy(url)["meta_info"]["weight_version"] == version
     for body, why in [({"names": [name], "dtypes": ["float99"], "shapes": [[1]]}, "not a torch dtype"),
                       ({"names": [name], "dtypes": ["float32"], "shapes": [[1], [2]]}, "1 names, 1 dtypes and 2 shapes"),
                       ({"names": [name], "dtypes": ["float32"], "shapes": [[-1]]}, "non-negative")]:
@@ -178,8 +208,6 @@ def test_bad_requests_fail_clearly_and_keep_the_served_weights(engine):
                         "backend": "nccl"}, "use backend=gloo")]:
         status, answer = post(url, "/init_weights_update_group", body)
         assert status == 400 and why in answer["message"], answer
-    status, answer = post(url, "/get_weights_by_name", {"name": "model.nope.weight"})
-    assert status == 400 and "no tensor 'model.nope.weight'" in answer["error"]["message"]
 
 
 def test_tensor_transport_with_memory_release(engine):
@@ -203,7 +231,11 @@ def test_tensor_transport_with_memory_release(engine):
     out = greedy(url)
     assert out["meta_info"]["weight_version"] == "t1"
     assert out["output_ids"] == teacher_forced_logprobs(target, PROMPT, out["output_ids"]).argmax(-1).tolist()
-    status, body = post(url, "/update_weights_from_tensor", {"serialized_named_tensors": ["bm90IGEgcGlja2xl"]})
+    garbage = {"serialized_named_tensors": ["bm90IGEgcGlja2xl"]}
+    assert post(url, "/update_weights_from_tensor", garbage) == (400, {"success": False, "message": (
+        "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")})
+    with session(url):
+        status, body = post(url, "/update_weights_from_tensor", garbage)
     assert status == 400 and "cannot be read" in body["message"]
 
 

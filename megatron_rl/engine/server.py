@@ -10,8 +10,12 @@ still fails at run time is retried item by item, so a failing request fails alon
 status and its batch-mates complete. Bodies are read with a size limit and a timeout and parsed off
 the event loop, and `--api-key` guards every endpoint but /health (engine/http.py).
 
+`--sglang-compat 0.5.23|0.5.8` (newest by default) names the SGLang version this server stands in
+for (engine/compat.py): weight-update sessions, where the weight version is reported, the version
+/server_info declares.
+
 Run:
-    megatron-rl serve --model-path DIR [--tokenizer-path DIR] [--api-key KEY] \
+    megatron-rl serve --model-path DIR [--tokenizer-path DIR] [--api-key KEY] [--sglang-compat 0.5.8] \
         --host 127.0.0.1 --port 30000 --random-seed 0 [--model-loader pkg.module:function]
 (`python -m megatron_rl.engine.server` takes the same flags.)
 """
@@ -32,6 +36,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
+from megatron_rl.engine.compat import COMPAT_MODES, DEFAULT_COMPAT, compat_mode
 from megatron_rl.engine.generation import (
     Engine, GenerationOutput, GenerationRequest, InvalidRequest, ModelLoader, SamplingParams,
 )
@@ -46,6 +51,7 @@ from megatron_rl.engine.weight_endpoints import WeightEndpoints
 log = logging.getLogger("megatron_rl.engine.server")
 
 SERVER_VERSION = "megatron_rl-embedded-0.1"
+"""This engine's own version (/server_info "embedded_version"; "version" is the SGLang version it stands in for)."""
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # Parsing a body holds the interpreter lock (~0.5 s at 16 MB of token ids), which bounds /health's stalls.
 DEFAULT_MAX_BODY_MB = 16.0
@@ -94,7 +100,8 @@ class RolloutServer:
                  max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                  max_body_mb: float = DEFAULT_MAX_BODY_MB, max_weight_body_mb: float = DEFAULT_MAX_WEIGHT_BODY_MB,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                 weight_update_timeout_s: float = 120.0, weights_cpu_backup: bool = False):
+                 weight_update_timeout_s: float = 120.0, weights_cpu_backup: bool = False,
+                 sglang_compat: str = DEFAULT_COMPAT, tp_size: int = 1):
         """Configure the server; the model is loaded in the background once the app starts.
 
         deterministic: generate every request in a batch of its own, so a request's samples never
@@ -106,7 +113,12 @@ class RolloutServer:
         (the latter for tensor weight updates). read_timeout_s: time allowed to receive a body.
         weight_update_timeout_s: bound of a weight-update group's rendezvous and of each broadcast.
         weights_cpu_backup: released weights come back on resume (SGLang's --enable-weights-cpu-backup).
+        sglang_compat: the SGLang version whose protocol rules this server follows (engine/compat.py).
+        tp_size: TP ranks this engine declares (/server_info tp_size) and emulates for tensor updates: rank r opens
+        only entry r of serialized_named_tensors, as SGLang's TP workers do (generation runs in this one process).
         """
+        if tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
         if batch_window_s < 0:
             raise ValueError("batch_window_s must be >= 0")
         if max_batch_size < 1:
@@ -118,6 +130,8 @@ class RolloutServer:
         self.batch_window_s = batch_window_s
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
+        self.startup_weight_version = weight_version
+        self.compat = compat_mode(sglang_compat)
         self.host, self.port = host, port
         self.engine: Optional[Engine] = None
         self.load_error: Optional[str] = None
@@ -141,7 +155,8 @@ class RolloutServer:
         self._running = 0
         self.batches_run = 0
         self._tasks: list[asyncio.Task] = []
-        self.weights = WeightEndpoints(self, _json_body, weight_update_timeout_s, weights_cpu_backup)
+        self.tp_size = tp_size
+        self.weights = WeightEndpoints(self, _json_body, weight_update_timeout_s, weights_cpu_backup, self.compat, tp_size)
 
     # --------------------------------------------------------------------------- lifecycle
     def make_app(self) -> web.Application:
@@ -157,7 +172,9 @@ class RolloutServer:
             r.add_get(path, self.model_info)
         for path in ("/server_info", "/get_server_info"):
             r.add_get(path, self.server_info)
-        r.add_get("/get_weight_version", self.get_weight_version)
+        if self.compat.weight_version_route_detail is not None:
+            for path in ("/get_weight_version", "/weight_version"):
+                r.add_get(path, self.get_weight_version)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weight_version", self.update_weight_version)
@@ -337,23 +354,25 @@ class RolloutServer:
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
-        """SGLang /server_info: server arguments plus internal state."""
+        """SGLang /server_info: server arguments plus internal state ("weight_version" is live only where SGLang's is)."""
+        live = self.compat.server_info_tracks_weight_version
         return web.json_response({
             "model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "host": self.host,
             "port": self.port, "random_seed": self.random_seed, "skip_tokenizer_init": self.tokenizer_path is None,
-            "tp_size": 1, "dp_size": 1, "pp_size": 1, "max_running_requests": self.max_batch_size,
-            "batch_window_s": self.batch_window_s, "weight_version": self.weight_version,
+            "tp_size": self.tp_size, "dp_size": 1, "pp_size": 1, "max_running_requests": self.max_batch_size,
+            "batch_window_s": self.batch_window_s,
+            "weight_version": self.weight_version if live else self.startup_weight_version,
             "enable_deterministic_inference": self.deterministic, "kv_cache_dtype": self.kv_cache_dtype,
             "enable_weights_cpu_backup": self.weights.weights_cpu_backup, "events": list(self.weights.events),
-            "version": SERVER_VERSION, "engine": "embedded-cpu", "device": "cpu",
+            "version": self.compat.version, "embedded_version": SERVER_VERSION, "engine": "embedded-cpu", "device": "cpu",
             "internal_states": [{"loaded": self.engine is not None, "running_requests": self._running,
                                  "queued_requests": self._queue.qsize() if self._queue else 0,
                                  "paused": bool(self._unpaused and not self._unpaused.is_set())}],
         })
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
-        """The weight version generations are tagged with."""
-        return web.json_response({"weight_version": self.weight_version})
+        """0.5.8's answer to its deprecated /get_weight_version: a 404 pointing at /model_info."""
+        return web.json_response({"detail": self.compat.weight_version_route_detail}, status=404)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """No prefix cache is kept between batches, so this only reports success when idle (400 while busy, like SGLang)."""
@@ -563,6 +582,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="bound of a weight-update group's rendezvous and of each weight broadcast")
     p.add_argument("--enable-weights-cpu-backup", action="store_true",
                    help="keep released weights and restore them on /resume_memory_occupation (as SGLang's flag)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="TP ranks this engine declares and emulates for tensor weight updates (rank r opens only entry "
+                        "r of serialized_named_tensors; generation is unchanged; distributed groups need 1)")
+    p.add_argument("--sglang-compat", default=DEFAULT_COMPAT, choices=sorted(COMPAT_MODES),
+                   help="the SGLang version whose protocol this server follows (weight-update sessions, where the "
+                        "weight version is reported)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return p
 
@@ -595,7 +620,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Serve until SIGINT/SIGTERM."""
     parser = build_arg_parser()
     args = parser.parse_args(argv)
-    for flag in ("max_n", "max_sequences_per_request"):
+    for flag in ("max_n", "max_sequences_per_request", "tp_size"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     for flag in ("max_body_mb", "max_weight_body_mb", "read_timeout_s"):
@@ -619,7 +644,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         exit_on_load_error=True, deterministic=args.enable_deterministic_inference, kv_cache_dtype=args.kv_cache_dtype,
         api_key=args.api_key, max_n=args.max_n, max_sequences_per_request=args.max_sequences_per_request,
         max_body_mb=args.max_body_mb, max_weight_body_mb=args.max_weight_body_mb, read_timeout_s=args.read_timeout_s,
-        weight_update_timeout_s=args.weight_update_timeout_s, weights_cpu_backup=args.enable_weights_cpu_backup)
+        weight_update_timeout_s=args.weight_update_timeout_s, weights_cpu_backup=args.enable_weights_cpu_backup,
+        sglang_compat=args.sglang_compat, tp_size=args.tp_size)
     if args.parent_pid > 0:
         watch_parent(args.parent_pid)
     web.run_app(server.make_app(), host=args.host, port=args.port, print=None, access_log=None,

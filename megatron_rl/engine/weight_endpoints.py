@@ -1,5 +1,7 @@
 """HTTP handlers of the embedded server's weight endpoints, field for field SGLang's (io_struct.py):
 
+    POST /begin_weight_update           {selector: "target" | "draft" | "all"}   (SGLang >= 0.5.23; one session at a time)
+    POST /end_weight_update             {}
     POST /init_weights_update_group     {master_address, master_port, rank_offset, world_size, group_name, backend}
     POST /destroy_weights_update_group  {group_name}
     POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, abort_all_requests,
@@ -9,7 +11,9 @@
     GET|POST /get_weights_by_name       {name, truncate_size=100} -> the tensor's first rows as a JSON list
     GET|POST /release_memory_occupation, /resume_memory_occupation {tags: ["weights", "kv_cache"] | null}
 
-Updates answer {"success", "message"} (HTTP 400 on failure). Receiving (rendezvous, broadcasts,
+Updates answer {"success", "message"} (HTTP 400 on failure). Under `--sglang-compat 0.5.23` (engine/compat.py)
+distributed and tensor updates outside a session are refused before anything is received, as SGLang
+refuses them (the refused broadcast is never joined). Receiving (rendezvous, broadcasts,
 shared-memory handles) runs on a thread pool of its own, so generation continues on the old
 weights meanwhile; the check-and-swap runs on the engine's worker thread between batches
 (engine/weight_receiver.py), which also sets the weight version the next batch is tagged with.
@@ -24,8 +28,11 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from megatron_rl.parallel.weight_group import DEFAULT_GROUP_NAME
+from megatron_rl.engine import compat as sglang
+from megatron_rl.engine.http import error_response
 from megatron_rl.engine import weight_receiver as wr
+from megatron_rl.engine.weight_groups import WeightGroups
+from megatron_rl.parallel.weight_group import DEFAULT_GROUP_NAME
 
 EVENT_LOG_SIZE = 4096
 """Events an engine remembers for /server_info (enough for a tiny run's whole history)."""
@@ -60,12 +67,18 @@ def _opt_version(body: dict) -> Optional[str]:
 class WeightEndpoints:
     """Weight-update state of one RolloutServer (groups, released memory) and its handlers."""
 
-    def __init__(self, server: Any, read_json: ReadJson, timeout_s: float = 120.0, weights_cpu_backup: bool = False) -> None:
+    def __init__(self, server: Any, read_json: ReadJson, timeout_s: float = 120.0, weights_cpu_backup: bool = False,
+                 compat: sglang.SGLangCompat = sglang.COMPAT_MODES[sglang.DEFAULT_COMPAT], tp_size: int = 1) -> None:
         """`server` is the RolloutServer (engine, worker executor, weight_version, abort epoch); `weights_cpu_backup`
-        keeps released weights to restore them on resume (SGLang's --enable-weights-cpu-backup)."""
+        keeps released weights to restore them on resume (SGLang's --enable-weights-cpu-backup); `compat` the
+        SGLang version whose rules the endpoints follow; `tp_size` the TP ranks whose tensor payloads it opens."""
         self.server = server
         self.read_json = read_json
-        self.groups = wr.WeightGroups(timeout_s)
+        self.compat = compat
+        self.session: Optional[str] = None
+        """Selector of the open weight-update session (None: no session)."""
+        self.tp_size = tp_size
+        self.groups = WeightGroups(timeout_s, tp_size=tp_size)
         self._recv = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weights")
         self._served: Optional[wr.ServedWeights] = None
         self._released: dict[str, Any] = {}
@@ -81,7 +94,9 @@ class WeightEndpoints:
 
     def routes(self) -> list[tuple[str, str, Callable]]:
         """(method, path, handler) of every weight endpoint."""
-        return [
+        sessions = [("POST", "/begin_weight_update", self.begin_weight_update),
+                    ("POST", "/end_weight_update", self.end_weight_update)] if self.compat.weight_update_sessions else []
+        return sessions + [
             ("POST", "/init_weights_update_group", self.init_weights_update_group),
             ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
             ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
@@ -143,7 +158,41 @@ class WeightEndpoints:
             return _result(False, "server is starting (model loading)")
         return None
 
+    def _outside_session(self, op: str) -> Optional[web.Response]:
+        """SGLang 0.5.23's refusal of `op` when no session is open (None when the update may proceed)."""
+        if self.compat.weight_update_sessions and self.session is None:
+            log.warning("refused %s outside a weight-update session", op)
+            return _result(False, sglang.outside_session_message(op))
+        return None
+
     # ----------------------------------------------------------------------------- handlers
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        """Open the weight-update session (one at a time); distributed and tensor updates need one."""
+        try:
+            selector = (await self._body(request, allow_empty=True)).get("selector", "all")
+            if selector not in sglang.SELECTORS:
+                raise wr.WeightUpdateError(f"begin_weight_update: selector={selector!r} must be one of "
+                                           f"{list(sglang.SELECTORS)}")
+        except wr.WeightUpdateError as exc:
+            return error_response(str(exc))
+        if self.session is not None:
+            return _result(False, sglang.SESSION_ALREADY_OPEN)
+        self.session = selector
+        self.record("session_begin", selector=selector)
+        return _result(True, sglang.SESSION_SUCCESS)
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        """Close the weight-update session."""
+        try:
+            await self._body(request, allow_empty=True)
+        except wr.WeightUpdateError as exc:
+            return error_response(str(exc))
+        if self.session is None:
+            return _result(False, sglang.NO_SESSION_OPEN)
+        self.session = None
+        self.record("session_end")
+        return _result(True, sglang.SESSION_SUCCESS)
+
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """Join a trainer's group; answers once every rank has joined."""
         if (resp := self._not_ready()) is not None:
@@ -190,6 +239,8 @@ class WeightEndpoints:
             group_name = b.get("group_name", DEFAULT_GROUP_NAME)
             version, abort_all = _opt_version(b), _opt_bool(b, "abort_all_requests", False)
             _opt_bool(b, "flush_cache", True)  # no prefix cache survives a batch here: nothing to flush
+            if (refused := self._outside_session("update_weights_from_distributed")) is not None:
+                return refused
             self.groups.get(group_name)
             problems = self.served().problems(entries)  # reported after the broadcast, which must be consumed anyway
             staged = await self._off_loop(self.groups.receive, group_name, entries, load_format)
@@ -205,7 +256,8 @@ class WeightEndpoints:
                        + (f" Weight version updated to {version}." if version is not None else ""))
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        """Map the tensors behind serialized handles (TP rank 0's entry), verify, swap."""
+        """Each emulated TP rank r maps the tensors behind entry r only (as SGLang's TP workers do), all must agree;
+        verify, swap."""
         from megatron_rl.engine.tensor_payload import deserialize_named_tensors, named_tensor_list, unflatten_bucket
 
         if (resp := self._not_ready()) is not None:
@@ -216,21 +268,34 @@ class WeightEndpoints:
             if not isinstance(blobs, list) or not blobs:
                 raise wr.WeightUpdateError("update_weights_from_tensor: serialized_named_tensors must be a non-empty list "
                                            "(one entry per TP rank)")
+            if len(blobs) < self.tp_size:
+                raise wr.WeightUpdateError(f"update_weights_from_tensor: serialized_named_tensors has {len(blobs)} "
+                                           f"entries for this engine's {self.tp_size} TP ranks (one payload per rank)")
             load_format = b.get("load_format")
             if load_format not in (None, "direct", "flattened_bucket"):
                 raise wr.WeightUpdateError(f"update_weights_from_tensor: load_format={load_format!r} must be null, "
                                            "'direct' or 'flattened_bucket'")
             version, abort_all = _opt_version(b), _opt_bool(b, "abort_all_requests", False)
             _opt_bool(b, "flush_cache", True)
+            if (refused := self._outside_session("update_weights_from_tensor")) is not None:
+                return refused
 
-            def load() -> list:
+            def load(rank: int) -> list:
                 try:
-                    obj = deserialize_named_tensors(blobs[0])
+                    obj = deserialize_named_tensors(blobs[rank])
                     return unflatten_bucket(obj) if load_format == "flattened_bucket" else named_tensor_list(obj)
                 except ValueError as exc:
-                    raise wr.WeightUpdateError(f"update_weights_from_tensor: {exc}") from None
+                    raise wr.WeightUpdateError(f"update_weights_from_tensor: TP rank {rank}'s payload: {exc}") from None
 
-            staged = await self._off_loop(load)
+            def load_all() -> list:
+                ranks = [load(r) for r in range(self.tp_size)]
+                for r, staged_r in enumerate(ranks[1:], start=1):
+                    if not wr.same_tensors(ranks[0], staged_r):
+                        raise wr.WeightUpdateError(f"update_weights_from_tensor: TP rank {r}'s payload holds other "
+                                                   "tensors than rank 0's (every rank loads the full tensors)")
+                return ranks[0]
+
+            staged = await self._off_loop(load_all)
             written = await self._swap(staged, version, abort_all)
             del staged
         except wr.WeightUpdateError as exc:

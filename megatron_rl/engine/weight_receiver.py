@@ -22,8 +22,6 @@ Semantics follow SGLang's model runner:
 """
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -165,6 +163,14 @@ class ServedWeights:
         return {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in self.tensors.items()}
 
 
+def same_tensors(a: Sequence[tuple[str, torch.Tensor]], b: Sequence[tuple[str, torch.Tensor]]) -> bool:
+    """Whether two staged updates hold the same names, dtypes, shapes and bytes."""
+    return len(a) == len(b) and all(
+        na == nb and ta.dtype == tb.dtype and ta.shape == tb.shape
+        and torch.equal(ta.view(torch.uint8) if ta.element_size() == 1 else ta, tb.view(torch.uint8) if tb.element_size() == 1 else tb)
+        for (na, ta), (nb, tb) in zip(a, b))
+
+
 def check_same_architecture(served: torch.nn.Module, new: torch.nn.Module, source: str) -> None:
     """ValueError naming every config field and tensor where `new` (from `source`) differs from the served model."""
     issues = []
@@ -185,145 +191,6 @@ def check_same_architecture(served: torch.nn.Module, new: torch.nn.Module, sourc
     if issues:
         raise ValueError(f"{source} does not match the served architecture ({len(issues)} differences: "
                          + "; ".join(issues[:8]) + (" ..." if len(issues) > 8 else "") + "); served weights unchanged")
-
-
-# ----------------------------------------------------------------------------- process groups
-@dataclass
-class _Group:
-    """One joined weight-update group."""
-
-    pg: Any
-    """The torch ProcessGroup."""
-    rank: int
-    """This engine's rank in it."""
-    world_size: int
-    """Ranks in the group."""
-    backend: str
-    """gloo or nccl."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    """Serialises receives (broadcasts must be consumed in request order)."""
-
-
-class WeightGroups:
-    """The engine's weight-update groups by name (thread-safe; blocking calls run off the event loop)."""
-
-    def __init__(self, timeout_s: float = 120.0, device: str = "cpu", tp_size: int = 1) -> None:
-        """`timeout_s` bounds each rendezvous and broadcast; the embedded engine is one TP rank on CPU."""
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be > 0")
-        self.timeout_s = float(timeout_s)
-        self.device = device
-        self.tp_size = tp_size
-        self._groups: dict[str, _Group] = {}
-        self._pending: set[str] = set()
-        self._lock = threading.Lock()
-
-    def init(self, master_address: Any, master_port: Any, rank_offset: Any, world_size: Any,
-             group_name: Any, backend: Any) -> str:
-        """Join a group as rank `rank_offset` (blocks until every rank joined); returns SGLang's success message."""
-        from megatron_rl.parallel.weight_group import init_weight_update_group
-
-        if not isinstance(master_address, str) or not master_address:
-            raise WeightUpdateError("init_weights_update_group: master_address (string) is required")
-        for key, value in (("master_port", master_port), ("rank_offset", rank_offset), ("world_size", world_size)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise WeightUpdateError(f"init_weights_update_group: {key} must be an integer, got {value!r}")
-        if not 1 <= master_port <= 65535:
-            raise WeightUpdateError(f"init_weights_update_group: master_port={master_port} is not a TCP port")
-        if rank_offset < 1 or rank_offset + self.tp_size > world_size:
-            raise WeightUpdateError(f"init_weights_update_group: rank_offset={rank_offset} with this engine's "
-                                    f"{self.tp_size} rank(s) does not fit world_size={world_size} (rank 0 is the trainer)")
-        if not isinstance(group_name, str) or not group_name:
-            raise WeightUpdateError("init_weights_update_group: group_name must be a non-empty string")
-        if backend not in ("gloo", "nccl"):
-            raise WeightUpdateError(f"init_weights_update_group: backend={backend!r} must be 'gloo' or 'nccl'")
-        if backend == "nccl" and self.device == "cpu":
-            raise WeightUpdateError("init_weights_update_group: backend=nccl needs a CUDA engine; this engine runs on "
-                                    "CPU, use backend=gloo")
-        with self._lock:
-            if group_name in self._groups or group_name in self._pending:
-                raise WeightUpdateError(f"init_weights_update_group: group {group_name!r} already exists "
-                                        "(POST /destroy_weights_update_group first)")
-            self._pending.add(group_name)
-        try:
-            pg = init_weight_update_group(backend, master_address, master_port, rank_offset, world_size,
-                                          group_name, self.timeout_s)
-        except Exception as exc:
-            raise WeightUpdateError(f"init_weights_update_group: joining {group_name!r} at {master_address}:{master_port} "
-                                    f"as rank {rank_offset} of {world_size} failed within {self.timeout_s:g} s: "
-                                    f"{type(exc).__name__}: {exc}") from None
-        finally:
-            with self._lock:
-                self._pending.discard(group_name)
-        with self._lock:
-            self._groups[group_name] = _Group(pg, rank_offset, world_size, backend)
-        return "Succeeded to initialize custom process group."
-
-    def destroy(self, group_name: Any) -> str:
-        """Leave and destroy a group (waits for a receive in progress)."""
-        from megatron_rl.parallel.weight_group import destroy_weight_update_group
-
-        with self._lock:
-            group = self._groups.pop(group_name, None) if isinstance(group_name, str) else None
-        if group is None:
-            raise WeightUpdateError(f"destroy_weights_update_group: no group named {group_name!r}")
-        with group.lock:
-            destroy_weight_update_group(group.pg)
-        return "Succeeded to destroy custom process group."
-
-    def get(self, group_name: Any) -> _Group:
-        """The group or a WeightUpdateError naming it."""
-        with self._lock:
-            group = self._groups.get(group_name) if isinstance(group_name, str) else None
-            known = sorted(self._groups)
-        if group is None:
-            raise WeightUpdateError(f"no weight-update group named {group_name!r} (known: {known}); "
-                                    "POST /init_weights_update_group first")
-        return group
-
-    def receive(self, group_name: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
-                load_format: Optional[str]) -> list[tuple[str, torch.Tensor]]:
-        """Receive one broadcast per entry from group rank 0 (or one flat uint8 buffer for flattened_bucket)."""
-        from megatron_rl.parallel.weight_group import broadcast_from_rank0, destroy_weight_update_group
-
-        group = self.get(group_name)
-        with group.lock:
-            staged = [(n, torch.empty(shape, dtype=dt, device=self.device)) for n, dt, shape in entries]
-            if load_format == "flattened_bucket":
-                flat = torch.empty(sum(t.numel() * t.element_size() for _, t in staged), dtype=torch.uint8, device=self.device)
-                wire = [flat]
-            else:
-                wire = [t for _, t in staged]
-            if group.backend == "gloo":  # gloo has no float8 kernels: the same bytes travel as uint8
-                wire = [t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype != torch.uint8 else t for t in wire]
-            try:
-                broadcast_from_rank0(wire, group.pg)
-            except Exception as exc:
-                with self._lock:
-                    self._groups.pop(group_name, None)
-                try:
-                    destroy_weight_update_group(group.pg)
-                except Exception:  # a broken group may fail to tear down; it is dropped either way
-                    pass
-                raise WeightUpdateError(
-                    f"update_weights_from_distributed: the broadcast of {len(entries)} tensors on {group_name!r} did not "
-                    f"complete within {self.timeout_s:g} s ({type(exc).__name__}: {str(exc)[:300]}); the group is destroyed "
-                    "and the served weights are unchanged") from None
-            if load_format == "flattened_bucket":
-                offset = 0
-                for i, (n, t) in enumerate(staged):
-                    size = t.numel() * t.element_size()
-                    staged[i] = (n, flat[offset:offset + size].view(t.dtype).reshape(t.shape))
-                    offset += size
-            return staged
-
-    def close(self) -> None:
-        """Destroy every group (server shutdown)."""
-        for name in list(self._groups):
-            try:
-                self.destroy(name)
-            except WeightUpdateError:
-                pass
 
 
 # ----------------------------------------------------------------------------- memory occupation

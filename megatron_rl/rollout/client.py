@@ -394,6 +394,24 @@ class RolloutClient:
         """
         return await self._all_success(path, body, timeout_s, max_retries=0, check_success=check_success)
 
+    async def call_each(self, path: str, body: Optional[dict] = None, method: str = "POST",
+                        timeout_s: Optional[float] = None, urls: Optional[Sequence[str]] = None) -> list[Any]:
+        """`method path` on each of `urls` (default: every server) concurrently, without retries; per URL the
+        decoded answer or the RolloutServerError it failed with (nothing is raised)."""
+        targets = [u.rstrip("/") for u in (self.urls if urls is None else urls)]
+        async with self._session() as session:
+            return list(await asyncio.gather(*(self._request(session, u, method, path, body, timeout_s=timeout_s,
+                                                             max_retries=0) for u in targets),
+                                             return_exceptions=True))
+
+    async def weight_versions(self) -> list[str]:
+        """The weight version each server serves, from /model_info (the live value in every SGLang version;
+        0.5.23's /server_info keeps the startup one)."""
+        async with self._session() as session:
+            infos = await asyncio.gather(*(self._request(session, u, "GET", "/model_info") for u in self.urls))
+        return ["" if not isinstance(i, dict) or i.get("weight_version") is None else str(i["weight_version"])
+                for i in infos]
+
     async def _is_router(self, session: aiohttp.ClientSession, url: str) -> bool:
         """Whether `url` answers sglang-router's GET /workers (engines answer 404 there)."""
         try:
@@ -454,6 +472,10 @@ class RolloutClient:
     def server_info_sync(self) -> list[dict]:
         """Blocking `server_info`."""
         return run_sync(self.server_info())
+
+    def weight_versions_sync(self) -> list[str]:
+        """Blocking `weight_versions`."""
+        return run_sync(self.weight_versions())
 
 
 def _check_prompt(ids: Any, k: int) -> None:

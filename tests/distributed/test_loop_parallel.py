@@ -7,9 +7,11 @@ calibration state lives on the last pipeline stage, so under PP=2 these metrics 
 rank 0 (stage 0) only logs them: the PP=2 run is also stopped after its first step and resumed from
 the checkpoint, which must restore the calibrated bounds and every calibration metric (the resumed
 step 1 is not a calibration event, so it logs what the checkpoint holds). The multi-process runs sync
-weights with the other transports (DP=2: `tensor`, TP=2 and PP=2: `distributed` over gloo, under PP=2 from
-both stages' senders) while the reference uses `disk`, so identical rollouts also show that every transport
-leaves the engine with the same weights.
+weights with the other transports (DP=2 and PP=2: `tensor`, under PP=2 from both stages' senders; TP=2:
+`distributed` over gloo) while the reference uses `disk`, so identical rollouts also show that every transport
+leaves the engine with the same weights. The engines run in their default SGLang 0.5.23 mode, which refuses
+a distributed or tensor update outside a weight-update session. (tests/distributed/test_weight_sync_parallel.py
+has `distributed` under PP=2 and `tensor` under TP=2, with a 0.5.8-mode engine beside a 0.5.23 one.)
 
 Every run dumps its calibration tokens; an independent implementation of the spec
 (tests/calibration_spec.py) recomputes alpha, rho, L and H of each event from the union of the
@@ -98,7 +100,7 @@ def test_pp2_matches_single_process_and_resumes_calibrated(single, tmp_path):
     warm, reference = single
     run_dir = tmp_path / "pp2"
     pp = tiny_overrides(warm, *COMMON, "train.micro_batch_size=8", "parallel.pipeline_model_parallel_size=2",
-                        "rollout.weight_sync.transport=distributed")
+                        "rollout.weight_sync.transport=tensor")
     first = train(run_dir, [*pp, "train.steps=1"], nproc=2)  # stops after step 0 (an event) with a checkpoint
     held = pickle.loads((Path(latest_checkpoint(run_dir / "checkpoints")) / RL_STATE_FILE).read_bytes())["clipper"]
     # what rank 0 checkpointed is the last stage's calibrated state, not stage 0's defaults

@@ -1,9 +1,13 @@
-"""A 2-process learner (PP=2, then TP=2) streams FP8 weights into two embedded engines over gloo.
+"""A 2-process learner (PP=2 with the `distributed` transport over gloo, then TP=2 with `tensor`) streams FP8
+weights into two embedded engines: one in the default SGLang 0.5.23 mode (it refuses updates outside a
+weight-update session), one in 0.5.8 mode (no sessions). tests/distributed/test_loop_parallel.py runs the
+other pairings (distributed under TP=2 and PP=2 is there, tensor under DP=2).
 
 Afterwards every tensor each engine serves is bit-identical to what the disk transport wrote (and to
 the blockwise quantization of the target weights), greedy generation equals the W8A8 reference built
-from that checkpoint, and the weight version is the pushed one. Between layouts the engines are
-reset to other weights, so each layout has to move every tensor itself.
+from that checkpoint, the weight version is the pushed one, and the 0.5.23 engine received the sync
+inside one session. Between layouts the engines are reset to other weights, so each layout has to move
+every tensor itself.
 
 Run: pytest -q -m distributed tests/distributed/test_weight_sync_parallel.py
 """
@@ -29,6 +33,11 @@ def _post(url: str, path: str, body: dict):
         return json.loads(resp.read())
 
 
+def _get(url: str, path: str):
+    with urllib.request.urlopen(url + path, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
 def _hf_model(arch, seed: int):
     from transformers import AutoModelForCausalLM
 
@@ -45,7 +54,7 @@ def setup(tmp_path_factory):
     from weight_sync_worker import architecture
 
     from megatron_rl.precision.hf_fp8 import save_fp8_checkpoint
-    from megatron_rl.rollout.launcher import launch_engines
+    from megatron_rl.rollout.launcher import EngineSpec, engine_command, start_cluster
 
     root = tmp_path_factory.mktemp("wsync")
     arch = architecture()
@@ -53,16 +62,19 @@ def setup(tmp_path_factory):
     target, _ = _hf_model(arch, seed=2)
     target.save_pretrained(str(root / "target"))
     save_fp8_checkpoint(initial.state_dict(), config.to_dict(), root / "initial_fp8")
-    cluster = launch_engines(str(root / "initial_fp8"), 2, log_dir=str(root / "logs"),
-                             engine_args=["--weight-update-timeout-s", "60"])
+    args = ["--weight-update-timeout-s", "60"]
+    specs = [EngineSpec(lambda port, extra=extra: engine_command(str(root / "initial_fp8"), port, extra_args=args + extra))
+             for extra in ([], ["--sglang-compat", "0.5.8"])]
+    cluster = start_cluster(specs, log_dir=str(root / "logs"))
     try:
         yield root, cluster.worker_urls, target
     finally:
         cluster.stop()
 
 
-@pytest.mark.parametrize("layout", [["--pp", "2"], ["--tp", "2"]], ids=["pp2", "tp2"])
-def test_learner_streams_fp8_weights_into_engines(setup, tmp_path, layout):
+@pytest.mark.parametrize("layout,transport", [(["--pp", "2"], "distributed"), (["--tp", "2"], "tensor")],
+                         ids=["pp2-distributed", "tp2-tensor"])
+def test_learner_streams_fp8_weights_into_engines(setup, tmp_path, layout, transport):
     from megatron_rl.precision.hf_fp8 import load_fp8_checkpoint, quantize_state_dict
     from megatron_rl.engine.generation import load_hf_model
     from megatron_rl.engine.testing import teacher_forced_logprobs
@@ -73,8 +85,14 @@ def test_learner_streams_fp8_weights_into_engines(setup, tmp_path, layout):
     assert all(r["success"] for r in reset.values()), reset
     version = "v-" + layout[0].strip("-") + layout[1]
     results = run_distributed(WORKER, 2, [*layout, "--target", str(root / "target"), "--urls", ",".join(urls),
-                                          "--version", version, "--out", str(tmp_path)], timeout=300)
-    if layout[0] == "--pp":  # every stage's sender had its own group
+                                          "--version", version, "--out", str(tmp_path), "--transport", transport],
+                              timeout=300)
+    infos = [_get(u, "/server_info") for u in urls]
+    assert [i["version"] for i in infos] == ["0.5.23", "0.5.8"]
+    sync_events = [e["event"] for e in infos[0]["events"] if e["event"] != "generate"]
+    assert sync_events[-3:] == ["session_begin", "update", "session_end"]  # the whole sync in one session
+    assert not any(e["event"].startswith("session") for e in infos[1]["events"])
+    if transport == "distributed":  # every stage's sender had its own group
         assert [r["group"] for r in results] == ["weight_update_group_pp0", "weight_update_group_pp1"]
     else:  # TP rank 1 only took part in the gathers
         assert [r["sender"] for r in results] == [True, False]

@@ -2,17 +2,19 @@
 
 One sync of version v, over all learner ranks:
 
-    controller:            transport.begin(v)                 # /pause_generation on every engine
+    controller:            transport.begin(v)                 # /pause_generation on every engine; distributed and
+                                                              # tensor: /begin_weight_update where engines have it
     stage k sender:        transport.begin_stage(k, P, v)     # distributed: join the stage's group (once)
                            transport.send_bucket(b, final)    # its layers, bucket by bucket; only the
                            ...                                # model's last bucket (final) names v
                            transport.end_stage()
                            (stages take turns, 0..P-1: engines receive one stream at a time)
     controller:            transport.commit(v, config_updates)  # disk: publish the checkpoint and load it
-    controller (always):   transport.finish()                    # /continue_generation
+    controller (always):   transport.finish()                    # /end_weight_update (if begun), /continue_generation
 
-So engines learn the new version once, after the last bucket, and never generate between two
-buckets. A transport is built on the controller and on every stage sender from the same config
+So engines learn the new version once, after the last bucket, never generate between two
+buckets, and (SGLang >= 0.5.23) receive every distributed or tensor update inside one weight-update
+session per sync, closed on every path (rollout/sync/sessions.py). A transport is built on the controller and on every stage sender from the same config
 and receiver URLs (never a router's).
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from megatron_rl.rollout.client import RolloutClient, run_sync
+from megatron_rl.rollout.sync import sessions
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -30,6 +33,8 @@ class WeightTransport:
     """Base of the transports: engine URLs, the HTTP client, bucket size, pause/continue around a sync."""
 
     name = ""
+    needs_session = False
+    """Whether this transport's updates must run inside SGLang's weight-update session (distributed, tensor)."""
 
     def __init__(self, receiver_urls: Sequence[str], bucket_mb: float = 512.0, timeout_s: float = 300.0,
                  pause_mode: str = "abort", client: Optional[RolloutClient] = None, api_key: Optional[str] = None) -> None:
@@ -50,6 +55,8 @@ class WeightTransport:
         self.client = client or self.engine_client(self.urls)
         self._engine_info: Optional[list[dict]] = None
         self._targets_epoch = 0
+        self.open_sessions: list[str] = []
+        """Engines where this transport's sync holds a weight-update session (closed by `finish`)."""
 
     def engine_client(self, urls: Sequence[str] | str) -> RolloutClient:
         """A client of `urls` for weight updates: no retries (they are not idempotent), the update timeout, the key."""
@@ -69,15 +76,23 @@ class WeightTransport:
 
     # ------------------------------------------------------------------ controller
     def begin(self, weight_version: Any) -> None:
-        """Pause generation on every engine before the first bucket."""
+        """Pause generation on every engine before the first bucket, then open the sync's weight-update session on
+        the engines that have sessions (transports whose updates need one)."""
         run_sync(self.client.call_all("/pause_generation", {"mode": self.pause_mode}, self.timeout_s, check_success=False))
+        if self.needs_session:
+            self.open_sessions = run_sync(sessions.open_sessions(self.client, self.session_urls(), self.timeout_s))
 
     def commit(self, weight_version: Any, config_updates: Optional[Mapping[str, Any]] = None) -> None:
         """After every stage sent its buckets (disk publishes and loads the checkpoint here)."""
 
     def finish(self) -> None:
-        """Resume generation (called even when the sync failed: engines keep their previous weights)."""
-        run_sync(self.client.call_all("/continue_generation", {}, self.timeout_s, check_success=False))
+        """Close the sync's weight-update sessions, then resume generation (both also after a failed sync)."""
+        opened, self.open_sessions = self.open_sessions, []
+        try:
+            if opened:
+                run_sync(sessions.close_sessions(self.client, opened, self.timeout_s))
+        finally:
+            run_sync(self.client.call_all("/continue_generation", {}, self.timeout_s, check_success=False))
 
     # ------------------------------------------------------------------ stage senders
     def begin_stage(self, stage: int, num_stages: int, weight_version: Any) -> None:
@@ -95,14 +110,24 @@ class WeightTransport:
         """Release groups and handles."""
 
     def engine_info(self) -> list[dict]:
-        """Per receiver: {"tp_size", "cpu"} from SGLang's /server_info (fetched once); "cpu" engines need CPU tensors."""
+        """Per receiver, from SGLang's /server_info (fetched once): {"tp_size", "cpu", "version", "sessions"}; "cpu"
+        engines need CPU tensors; "sessions" (learned for transports that need them, probed when the version does not
+        tell) whether distributed/tensor updates must run inside a weight-update session."""
         if self._engine_info is None:
-            infos = run_sync(self.client.server_info())
-            self._engine_info = [{
-                "tp_size": int(i.get("tp_size", 1) or 1) if isinstance(i, dict) else 1,
-                "cpu": isinstance(i, dict) and (i.get("device") == "cpu" or i.get("engine") == "embedded-cpu"),
-            } for i in infos]
+            infos = [i if isinstance(i, dict) else {} for i in run_sync(self.client.server_info())]
+            out = []
+            for url, i in zip(self.urls, infos):
+                has = sessions.sessions_by_version(i.get("version")) if self.needs_session else False
+                if has is None:
+                    has = run_sync(sessions.probe_sessions(self.client, url))
+                out.append({"tp_size": int(i.get("tp_size", 1) or 1), "version": str(i.get("version", "")),
+                            "cpu": i.get("device") == "cpu" or i.get("engine") == "embedded-cpu", "sessions": has})
+            self._engine_info = out
         return self._engine_info
+
+    def session_urls(self) -> list[str]:
+        """The receivers whose distributed/tensor updates need a weight-update session (SGLang >= 0.5.23)."""
+        return [u for u, i in zip(self.urls, self.engine_info()) if i["sessions"]]
 
     def engine_tp_sizes(self) -> list[int]:
         """TP size of each receiver (SGLang's /server_info tp_size)."""

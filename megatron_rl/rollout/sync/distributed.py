@@ -38,10 +38,34 @@ def default_master_address(receiver_urls: Sequence[str]) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def init_group_body(master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+                    backend: str) -> dict:
+    """The /init_weights_update_group body (InitWeightsUpdateGroupReqInput) of one engine."""
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+
+def update_distributed_body(bucket: Bucket, group_name: str, final: bool, weight_version: Any) -> dict:
+    """The /update_weights_from_distributed body (UpdateWeightsFromDistributedReqInput) of one bucket; only the
+    model's last bucket (`final`) flushes the cache and names the version."""
+    body = {"names": [n for n, _ in bucket], "dtypes": [dtype_str(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name,
+            "flush_cache": final, "abort_all_requests": False}
+    if final:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def destroy_group_body(group_name: str) -> dict:
+    """The /destroy_weights_update_group body (DestroyWeightsUpdateGroupReqInput)."""
+    return {"group_name": group_name}
+
+
 class DistributedWeightSync(WeightTransport):
     """Transport 'distributed' (see module docstring)."""
 
     name = "distributed"
+    needs_session = True
 
     def __init__(self, receiver_urls: Sequence[str], bucket_mb: float = 512.0, timeout_s: float = 300.0,
                  master_address: Optional[str] = None, master_port: int = 0,
@@ -96,10 +120,8 @@ class DistributedWeightSync(WeightTransport):
 
         async def all_engines() -> None:
             await asyncio.gather(*(self.engine_client(url).call_all(
-                "/init_weights_update_group",
-                {"master_address": self.master_address, "master_port": port, "rank_offset": offset,
-                 "world_size": world_size, "group_name": name, "backend": backend}, self.timeout_s)
-                for url, offset in zip(self.urls, offsets)))
+                "/init_weights_update_group", init_group_body(self.master_address, port, offset, world_size, name, backend),
+                self.timeout_s) for url, offset in zip(self.urls, offsets)))
 
         return self._http.submit(run_sync, all_engines())
 
@@ -108,11 +130,7 @@ class DistributedWeightSync(WeightTransport):
         if bucket[0][1].device.type == "cuda" and self.any_cpu_engine():
             bucket = [(n, t.cpu()) for n, t in bucket]  # CPU engines only speak gloo
         self.connect(self.stage, self.num_stages, "nccl" if bucket[0][1].device.type == "cuda" else "gloo")
-        body = {"names": [n for n, _ in bucket], "dtypes": [dtype_str(t.dtype) for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                "flush_cache": final, "abort_all_requests": False}
-        if final:
-            body["weight_version"] = str(self.weight_version)
+        body = update_distributed_body(bucket, self.group_name, final, self.weight_version)
         pending = self._post("/update_weights_from_distributed", body)
         wire = [t.contiguous() for _, t in bucket]
         if self.backend == "gloo":
@@ -135,7 +153,7 @@ class DistributedWeightSync(WeightTransport):
         """Live engines leave the group, then this rank destroys it."""
         if self.group is not None:
             try:
-                run_sync(self.client.call_all("/destroy_weights_update_group", {"group_name": self.group_name},
+                run_sync(self.client.call_all("/destroy_weights_update_group", destroy_group_body(self.group_name),
                                               self.timeout_s))
             except RolloutServerError:
                 pass  # an engine that is gone left with it

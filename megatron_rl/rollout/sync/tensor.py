@@ -3,9 +3,11 @@
 Per bucket, the stage sender pickles `[(name, tensor)]` the way SGLang's MultiprocessingSerializer
 does (rollout/sync/serialization.py): CUDA tensors become CUDA-IPC handles (no copy), CPU tensors
 are copied once into a shared-memory buffer and travel as handles to it. The request carries one
-entry per engine TP rank (`serialized_named_tensors`), each TP rank maps the same tensors; the
-engine copies them into its weights before it answers, so one shared-memory buffer, reused bucket
-after bucket, carries a whole sync.
+entry per engine TP rank (`serialized_named_tensors`), each pickled on its own as SGLang's
+`Engine._serialize_tensors_per_rank` builds it (rank r opens only entry r; CUDA devices named by
+UUID; serialization.py); the engine copies the tensors into its weights before it answers, so one
+shared-memory buffer, reused bucket after bucket, carries a whole sync. Updates run inside the sync's
+weight-update session on engines that have sessions (SGLang >= 0.5.23; base.py).
 Only the model's last bucket carries `weight_version` (and flush_cache).
 
 Colocated engines free their memory while the learner trains and take it back before an update:
@@ -16,13 +18,13 @@ elsewhere.
 from __future__ import annotations
 
 import asyncio
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from megatron_rl.rollout.client import RolloutClient, run_sync
 from megatron_rl.rollout.sync.base import Bucket, WeightTransport
-from megatron_rl.rollout.sync.serialization import serialize_named_tensors
+from megatron_rl.rollout.sync.serialization import serialize_per_rank
 
 
 class SharedArena:
@@ -55,10 +57,22 @@ class SharedArena:
         return out
 
 
+def update_tensor_body(tensors: Bucket, tp_size: int, final: bool, weight_version: Any) -> dict:
+    """The /update_weights_from_tensor body (UpdateWeightsFromTensorReqInput) of one bucket for an engine of `tp_size`
+    TP ranks: one payload per rank; only the model's last bucket (`final`) flushes the cache and names the version.
+    CPU tensors must already be in shared memory (SharedArena)."""
+    body = {"serialized_named_tensors": serialize_per_rank(tensors, tp_size), "load_format": None,
+            "flush_cache": final, "abort_all_requests": False}
+    if final:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
 class TensorWeightSync(WeightTransport):
     """Transport 'tensor' (see module docstring)."""
 
     name = "tensor"
+    needs_session = True
 
     def __init__(self, receiver_urls: Sequence[str], bucket_mb: float = 512.0, timeout_s: float = 300.0,
                  pause_mode: str = "abort", client: Optional[RolloutClient] = None, api_key: Optional[str] = None) -> None:
@@ -67,19 +81,16 @@ class TensorWeightSync(WeightTransport):
         self.arena = SharedArena()
 
     def send_bucket(self, bucket: Bucket, final: bool) -> None:
-        """POST the bucket's handles to every engine (one entry per engine TP rank) and wait for all of them."""
+        """POST the bucket's handles to every engine (one payload per engine TP rank) and wait for all of them."""
         if self.any_cpu_engine():  # a CPU engine cannot open CUDA-IPC handles
             bucket = [(n, t.cpu()) for n, t in bucket]
         tensors = self.arena.place(bucket)
-        blob = serialize_named_tensors(tensors)
-        base = {"load_format": None, "flush_cache": final, "abort_all_requests": False}
-        if final:
-            base["weight_version"] = str(self.weight_version)
 
         async def all_engines() -> None:
             await asyncio.gather(*(
                 self.engine_client(url).call_all(
-                    "/update_weights_from_tensor", {**base, "serialized_named_tensors": [blob] * tp}, self.timeout_s)
+                    "/update_weights_from_tensor", update_tensor_body(tensors, tp, final, self.weight_version),
+                    self.timeout_s)
                 for url, tp in zip(self.urls, self.engine_tp_sizes())))
 
         run_sync(all_engines())
