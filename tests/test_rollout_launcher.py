@@ -73,6 +73,9 @@ def test_router_in_front_of_two_engines(tmp_path):
             assert g[0].output_ids == teacher_forced_logprobs(new, [3, 4], g[0].output_ids).argmax(-1).tolist()
     for proc in cluster.engines + [cluster.router]:
         assert proc.proc.poll() is not None  # everything stopped
+    # the router's HTTP/2 protocol probe of each worker is not an error (engine/http.py)
+    for log in sorted((tmp_path / "logs").glob("engine_*.log")):
+        assert not [line for line in log.read_text().splitlines() if " ERROR " in line or "Traceback" in line], log
 
 
 def test_launch_from_config_rejects_external():

@@ -285,3 +285,24 @@ def test_rollout_api_key_config_reaches_the_client():
     assert RolloutClient.from_config(cfg.rollout, ["http://127.0.0.1:1"])._headers == {"Authorization": f"Bearer {KEY}"}
     with pytest.raises(ConfigError, match="rollout.api_key"):
         load_config("examples/configs/tiny_base.yaml", ["rollout.api_key=two words"])
+
+
+def test_an_http2_probe_is_refused_quietly(small, caplog):
+    """sglang-router opens an HTTP/2 prior-knowledge connection to each worker before it speaks HTTP/1.1: the
+    engine answers 400 and closes it, logging no error (engine/http.py)."""
+    import logging
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(small.url)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")  # + an empty SETTINGS frame
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+            sock.sendall(preface)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        assert request(small.url, "/health")[0] == 200
+    assert data.split(b" ", 2)[1] == b"400"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert any("HTTP/2" in r.getMessage() for r in caplog.records)

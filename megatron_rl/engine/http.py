@@ -10,6 +10,12 @@
   limit. aiohttp's own `client_max_size` enforces the size while reading (a per-request clone carries
   the route's limit).
 - `read_json`: the body as a JSON object, parsed on a worker thread when large.
+- `SERVER_LOG`: aiohttp's connection logger (pass it as the request handler's `logger`), with the
+  sglang-router's HTTP/2 probe logged at DEBUG: the router opens an HTTP/2 prior-knowledge (h2c)
+  connection to each worker to learn the protocol it speaks; aiohttp's HTTP/1.1 parser refuses the
+  preface with a 400 and closes the connection (which is the answer the probe needs: the router then
+  talks HTTP/1.1), but logs the refusal with a traceback at ERROR. Nothing is wrong, so nothing is an
+  error; SGLang itself (uvicorn) refuses the same preface with a one-line warning.
 
 json.loads holds the interpreter lock for the whole parse (so does every C JSON parser), so a thread
 keeps the event loop free only between parses: the body limit is what bounds the longest stall of
@@ -21,7 +27,9 @@ import asyncio
 import contextlib
 import gc
 import json
+import logging
 import secrets
+import sys
 import threading
 from typing import Awaitable, Callable, Iterable, Iterator, Optional
 
@@ -34,6 +42,33 @@ INLINE_PARSE_MAX_BYTES = 64 * 1024
 MB = 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+HTTP2_PREFACE_SIGNS = ("PRI", "HTTP/2")
+"""What aiohttp's HTTP/1.1 parsers say when a connection opens with the HTTP/2 preface (`PRI * HTTP/2.0`)."""
+
+
+def is_http2_preface_error(exc: object) -> bool:
+    """Whether `exc` is the HTTP/1.1 parser refusing an HTTP/2 connection preface."""
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    return isinstance(exc, HttpProcessingError) and any(sign in str(exc) for sign in HTTP2_PREFACE_SIGNS)
+
+
+class _ServerLog(logging.LoggerAdapter):
+    """aiohttp's server logger with refused HTTP/2 prefaces (sglang-router's protocol probe) at DEBUG, no traceback."""
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:  # noqa: D102 - logging.Logger.exception
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if is_http2_preface_error(exc):
+            self.logger.debug("refused an HTTP/2 connection (this server speaks HTTP/1.1; sglang-router's protocol "
+                              "probe then uses HTTP/1.1): " + str(msg), *args)
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
+SERVER_LOG = _ServerLog(logging.getLogger("aiohttp.server"), {})
+"""The `logger` of the engine's aiohttp request handlers (see the module docstring)."""
 
 
 class BadRequest(ValueError):

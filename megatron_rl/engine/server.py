@@ -41,7 +41,7 @@ from megatron_rl.engine.generation import (
     Engine, GenerationOutput, GenerationRequest, InvalidRequest, ModelLoader, SamplingParams,
 )
 from megatron_rl.engine.http import (
-    BadRequest, api_key_middleware, body_middleware, error_response, gc_paused, parse_json_object, read_json,
+    SERVER_LOG, BadRequest, api_key_middleware, body_middleware, error_response, gc_paused, parse_json_object, read_json,
 )
 from megatron_rl.engine.validation import (
     DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST, ModelFacts, RequestError, RequestLimits, validate_generate,
@@ -649,7 +649,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.parent_pid > 0:
         watch_parent(args.parent_pid)
     web.run_app(server.make_app(), host=args.host, port=args.port, print=None, access_log=None,
-                keepalive_timeout=args.read_timeout_s)
+                keepalive_timeout=args.read_timeout_s, logger=SERVER_LOG)
     return 0
 
 

@@ -71,8 +71,10 @@ class ThreadedServer:
         from aiohttp import web
 
         async def serve() -> None:
+            from megatron_rl.engine.http import SERVER_LOG
+
             runner = web.AppRunner(self.server.make_app(), access_log=None,
-                                   keepalive_timeout=self.server.read_timeout_s)
+                                   keepalive_timeout=self.server.read_timeout_s, logger=SERVER_LOG)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
