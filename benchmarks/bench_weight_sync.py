@@ -186,8 +186,8 @@ def measure_rss(bucket_mb: float) -> dict:
 
 
 def rollout_payload_bytes(arch, bucket_mb: float) -> tuple[int, int]:
-    """(bytes, buckets) of one FP8-blockwise sync of `arch` as the exporter sends it (quantized linears 1 B + fp32
-    block scales; embeddings, norms and lm_head in fp32)."""
+    """(bytes, buckets) of one FP8-blockwise sync of `arch` as the exporter sends it from a bf16 GPU learner (quantized
+    linears 1 B + fp32 block scales; embeddings, norms and lm_head in the learner's bf16)."""
     import math
 
     from megatron_rl.models import hf_mapping
@@ -201,7 +201,7 @@ def rollout_payload_bytes(arch, bucket_mb: float) -> tuple[int, int]:
             if is_quantized_weight(hf_name):
                 b += t.numel() + math.ceil(t.shape[0] / 128) * math.ceil(t.shape[1] / 128) * 4
             else:
-                b += t.numel() * 4
+                b += t.numel() * 2
         sizes.append(b)
     cap, n, cur = bucket_mb * 1024 * 1024, 0, 0
     for b in sizes:

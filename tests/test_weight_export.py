@@ -1,5 +1,6 @@
 """Streaming weight export (single process): the same tensors as the whole-model path, bucketed, FP8 bit-equal,
-non-finite weights refused before any transport call, and a streamed checkpoint engines load.
+non-finite weights refused before any transport call, a streamed checkpoint engines load, and a bf16 learner's
+exports in bf16 (half the bytes).
 
 Run: pytest -q tests/test_weight_export.py
 """
@@ -150,3 +151,48 @@ def test_streamed_checkpoint_loads_as_the_learner_model(learner, tmp_path):
     model = load_hf_model(out)
     for n, t in reference.items():
         assert torch.equal(model.state_dict()[n], t), n
+
+
+def test_a_bf16_learner_sends_bf16_half_the_bytes_and_engines_take_it(learner, tmp_path):
+    """Unquantized exports keep the parameter dtype (bf16 on GPU): half the bytes of float32; FP8 weights are the
+    same bits as quantizing the float32 values; the embedded engine serves what a bf16 learner sends (tensor and disk)."""
+    from megatron_rl.engine.testing import ThreadedServer
+    from megatron_rl.models.presets import hf_config
+    from megatron_rl.rollout.sync import DiskWeightSync, TensorWeightSync
+    from megatron_rl.trainer.learner import Learner
+
+    bf16 = Learner(ModelConfig(preset="tiny"), ParallelConfig(), OptimConfig(params_dtype="bf16"), PrecisionConfig(),
+                   vocab_size=VOCAB, seed=5)
+    sent = {}
+    for name, lrn in (("fp32", learner), ("bf16", bf16)):
+        rec = Recorder(bucket_bytes=30_000)
+        sent[name] = (weights.sync_weights(lrn, rec, PrecisionConfig(), weight_version=1)["sync/bytes"], rec.buckets)
+    assert sent["bf16"][0] * 2 == sent["fp32"][0]
+    assert all(t.dtype == torch.bfloat16 for b, _ in sent["bf16"][1] for _, t in b)
+    reference = hf_mapping.to_hf(bf16.gather_full_state_dict(), bf16.arch)
+    fp8 = {n: t for b in StreamingExporter(bf16).buckets(1 << 20, weights.export_format(
+        PrecisionConfig(rollout_quantization="fp8-blockwise")).convert) for n, t in b}
+    expected = quantize_state_dict({n: t.float() for n, t in reference.items()})
+    for n, t in expected.items():  # quantized from the exact bf16 values; the rest stays bf16
+        want = t if t.dtype != torch.float32 or n.endswith("_scale_inv") else t.to(torch.bfloat16)
+        assert fp8[n].dtype == want.dtype and torch.equal(fp8[n].view(torch.uint8), want.view(torch.uint8)), n
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config(bf16.arch)).save_pretrained(str(tmp_path / "hf"))
+    buckets = [b for b, _ in sent["bf16"][1]]
+    with ThreadedServer(str(tmp_path / "hf")) as srv:
+        for transport in (TensorWeightSync([srv.url], timeout_s=30),
+                          DiskWeightSync(str(tmp_path / "sync"), str(tmp_path / "hf"), [srv.url])):
+            transport.begin("b")
+            transport.begin_stage(0, 1, "b")
+            for k, b in enumerate(buckets):
+                transport.send_bucket(b, final=k == len(buckets) - 1)
+            transport.end_stage()
+            transport.commit("b", {})
+            transport.finish()
+            transport.close()
+            served = srv.server.engine.model.state_dict()
+            for n, t in reference.items():
+                assert torch.equal(served[n], t.float()), (transport.name, n)
+            srv.server.engine.load_weights(str(tmp_path / "hf"))  # back to the other weights for the next transport

@@ -26,18 +26,21 @@ class ExportFormat:
     """How exported HF tensors become what the engines serve (precision/rollout_formats.py names the formats)."""
 
     convert: Converter
-    """Per HF tensor: [(name, tensor)] to send (the float32 tensor, or FP8 weight + its scale)."""
+    """Per HF tensor: [(name, tensor)] to send (the tensor in the learner's dtype, or FP8 weight + its scale)."""
     config_updates: dict = field(default_factory=dict)
     """config.json entries of a checkpoint in this format (quantization_config)."""
 
 
 def export_format(precision: PrecisionConfig) -> ExportFormat:
-    """The rollout format of `precision.rollout_quantization`, applied one float32 tensor at a time."""
+    """The rollout format of `precision.rollout_quantization`, applied one tensor at a time.
+
+    Tensors that stay high precision travel in the learner's parameter dtype (bf16 on GPU: half the
+    bytes of float32, the exact values); quantized weights are quantized from them (rollout_formats.py).
+    """
     from megatron_rl.precision.rollout_formats import rollout_format
 
     fmt = rollout_format(precision)
-    # float32 first: high-precision tensors travel as the learner's exact values (bf16 converts exactly)
-    return ExportFormat(lambda name, t: list(fmt.quantize(name, t.float()).items()), fmt.config_updates())
+    return ExportFormat(lambda name, t: list(fmt.quantize(name, t).items()), fmt.config_updates())
 
 
 def rollout_payload(hf_sd: dict[str, torch.Tensor], precision: PrecisionConfig) -> tuple[dict[str, torch.Tensor], dict]:

@@ -52,10 +52,11 @@ class RolloutFormat:
     _quantize_weight: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = field(default=None, repr=False)
 
     def quantize(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The checkpoint tensors of one HF-named exported tensor (the tensor itself, or FP8 weight + scale)."""
+        """The checkpoint tensors of one HF-named exported tensor: the tensor itself in its own dtype, or FP8 weight +
+        scale quantized from its float32 values (bf16 converts exactly, so a bf16 learner quantizes the same bits)."""
         if self._quantize_weight is None or not is_quantized_weight(name):
             return {name: tensor}
-        q, s = self._quantize_weight(tensor)
+        q, s = self._quantize_weight(tensor.float())
         return {name: q, name + self.scale_suffix: s}
 
     def quantize_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -35,9 +35,9 @@ class NonFiniteWeightsError(RuntimeError):
     """The learner holds NaN/inf weights; the sync was refused before anything was sent."""
 
 
-def _to_fp32(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Default converter: the exact learner values in float32 (bf16 parameters convert exactly)."""
-    return [(name, tensor.float())]
+def _as_learned(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Default converter: the learner's values in its parameter dtype."""
+    return [(name, tensor)]
 
 
 def nbytes(tensors: Bucket) -> int:
@@ -120,7 +120,7 @@ class StreamingExporter:
                 del parts
             yield name, (data if self.is_sender else None)
 
-    def hf_tensors(self, convert: Converter = _to_fp32) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    def hf_tensors(self, convert: Converter = _as_learned) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
         """(megatron name, converted HF tensors) per parameter on the sender; drives the gathers everywhere else."""
         for name, full in self.full_params():
             if full is None:
@@ -130,7 +130,7 @@ class StreamingExporter:
                 out.extend((n, t.contiguous()) for n, t in convert(hf_name, tensor))
             yield name, out
 
-    def buckets(self, bucket_bytes: int, convert: Converter = _to_fp32) -> Iterator[Bucket]:
+    def buckets(self, bucket_bytes: int, convert: Converter = _as_learned) -> Iterator[Bucket]:
         """Buckets of at most `bucket_bytes` (one parameter's tensors are never split) on the sender."""
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
