@@ -4,7 +4,9 @@ Part 1 (side by side, one run): for each model (the tiny preset and a ~0.5B mode
 qwen3-0.6b's shape with a 32768-token vocabulary, 0.44B parameters), one embedded engine subprocess
 serves it and the same tensors are pushed through each transport (disk, distributed over gloo, tensor
 over shared memory), bucketed as the learner's export buckets them; seconds and GB/s are end to end
-(from the first byte until the engine answered the last bucket, weights swapped).
+(from the first byte until the engine answered the last bucket, weights swapped). Beside each, the
+seconds the engine spent inside those same syncs on refusing non-finite weights (its NaN/inf check of
+every received tensor, /server_info "weight_finite_check_s") and their share of the sync.
 
 Part 2: peak extra RSS of exporting a learner's weights in the FP8-blockwise rollout format, in a fresh
 process per case: the streaming export (trainer/weight_export.py, buckets dropped as a transport would)
@@ -86,6 +88,7 @@ def measure_transports(size: str, bucket_mb: float, reps: int, work: Path) -> di
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.models.presets import hf_config
+    from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.launcher import launch_engines
     from megatron_rl.rollout.sync import DiskWeightSync, DistributedWeightSync, TensorWeightSync
 
@@ -110,15 +113,24 @@ def measure_transports(size: str, bucket_mb: float, reps: int, work: Path) -> di
             "tensor/shm": TensorWeightSync(url, bucket_mb=bucket_mb, timeout_s=600),
         }
         times = {name: [] for name in transports}
+        checks = {name: [] for name in transports}
+        engine = RolloutClient(url)
+
+        def check_seconds() -> float:
+            return float(engine.server_info_sync()[0]["weight_finite_check_s"])
+
         for rep in range(reps):  # round-robin, so load drift hits every transport alike
             for name, tr in transports.items():
+                c0 = check_seconds()
                 t0 = time.perf_counter()
                 push(tr, buckets, f"{rep}")
                 times[name].append(time.perf_counter() - t0)
+                checks[name].append(check_seconds() - c0)
         for name, tr in transports.items():
             tr.close()
-            best = min(times[name])
-            results[name] = {"seconds": best, "gb_per_s": total / best / 1e9}
+            k = min(range(reps), key=lambda i: times[name][i])
+            best = times[name][k]
+            results[name] = {"seconds": best, "gb_per_s": total / best / 1e9, "check_s": checks[name][k]}
     finally:
         cluster.stop()
     return results
@@ -237,6 +249,10 @@ def main() -> None:
     for s, r in results.items():
         base = r["disk"]["seconds"]
         print(f"{s:>8}: time relative to disk: " + ", ".join(f"{n} {r[n]['seconds'] / base:.2f}x" for n in names[1:]))
+    print("\n== the engine's NaN/inf check inside those syncs (seconds of the same sync, share of it) ==")
+    for s, r in results.items():
+        print(f"{s:>8}: " + ", ".join(f"{n} {r[n]['check_s']:.3f} s of {r[n]['seconds']:.3f} s "
+                                     f"({100 * r[n]['check_s'] / r[n]['seconds']:.1f}%)" for n in names))
 
     if not a.skip_rss:
         rss = measure_rss(a.rss_bucket_mb)

@@ -336,3 +336,39 @@ def test_weights_cpu_backup_restores_the_served_weights_and_events_are_logged(tm
             assert info["enable_weights_cpu_backup"] is backup
             assert [e["event"] for e in info["events"]] == ["release", "resume", "generate"]
             assert [e["seq"] for e in info["events"]] == [1, 2, 3]
+
+
+def test_non_finite_weights_are_refused_on_every_endpoint(engine, tmp_path):
+    """NaN/inf weights are refused (400 naming the tensor) by /update_weights_from_distributed, _tensor and _disk, and
+    the engine answers exactly as before: the same greedy tokens and log-probs, bit for bit, and the same version."""
+    from megatron_rl.engine.weight_receiver import nonfinite_tensors
+    from megatron_rl.rollout.sync.tensor import update_tensor_body
+
+    url, _, _, _ = engine
+    name = "model.layers.0.mlp.down_proj.weight"
+    before = greedy(url)
+    served = weights_of(url, name)
+    nan, inf = served.clone(), served.clone()
+    nan[1, 2], inf[0, 0] = float("nan"), -float("inf")
+    trainer = Trainer(url, "finite")
+    try:
+        with session(url):
+            distributed = trainer.update([(name, nan)], version="nan")
+            tensor = post(url, "/update_weights_from_tensor", update_tensor_body([(name, inf.share_memory_())], 1, True, "inf"))
+    finally:
+        trainer.close()
+    model = make_tiny_model(str(tmp_path / "nan"), seed=0)
+    with torch.no_grad():
+        dict(model.named_parameters())[name][3, 3] = float("nan")
+    model.save_pretrained(str(tmp_path / "nan"))
+    disk = post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "nan"), "weight_version": "nan"})
+    for endpoint, (status, body) in (("distributed", distributed), ("tensor", tensor), ("disk", disk)):
+        assert status == 400 and body["success"] is False, (endpoint, body)
+        assert f"1 tensor(s) hold NaN/inf values: {name}" in body["message"] and "weights unchanged" in body["message"], body
+    after = greedy(url)
+    assert torch.equal(weights_of(url, name), served)
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
+    fp8 = torch.tensor([1.0, 448.0, float("nan")]).to(torch.float8_e4m3fn)
+    assert nonfinite_tensors([("ok", fp8[:2]), ("bad", fp8), ("ids", torch.tensor([1, 2]))]) == ["bad"]

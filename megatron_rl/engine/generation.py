@@ -317,13 +317,16 @@ class Engine:
         self._logits_to_keep = "logits_to_keep" in params
         return model
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, check: Optional[Callable[[torch.nn.Module], None]] = None) -> None:
         """Replace the model with the one at `path` (built by the same loader) after checking it has the served
-        architecture (config fields, every tensor's name, shape and dtype); the old one stays on any failure."""
+        architecture (config fields, every tensor's name, shape and dtype) and passes `check` (raising refuses it);
+        the old one stays on any failure."""
         from megatron_rl.engine.weight_receiver import check_same_architecture
 
         model = self.model_loader(path)
         check_same_architecture(self.model, model, f"checkpoint {path!r}")
+        if check is not None:
+            check(model)
         with self._lock:
             self.model = self._adopt(model)
             self.model_path = path

@@ -364,6 +364,7 @@ class RolloutServer:
             "weight_version": self.weight_version if live else self.startup_weight_version,
             "enable_deterministic_inference": self.deterministic, "kv_cache_dtype": self.kv_cache_dtype,
             "enable_weights_cpu_backup": self.weights.weights_cpu_backup, "events": list(self.weights.events),
+            "weight_finite_check_s": self.weights.finite.seconds,
             "version": self.compat.version, "embedded_version": SERVER_VERSION, "engine": "embedded-cpu", "device": "cpu",
             "internal_states": [{"loaded": self.engine is not None, "running_requests": self._running,
                                  "queued_requests": self._queue.qsize() if self._queue else 0,
@@ -402,8 +403,13 @@ class RolloutServer:
         if body.get("abort_all_requests"):
             self._abort_epoch += 1
 
+        def finite(model) -> None:
+            from megatron_rl.engine.weight_receiver import served_tensors
+
+            self.weights.finite(served_tensors(model).items(), "update_weights_from_disk")
+
         def job() -> None:
-            engine.load_weights(model_path)
+            engine.load_weights(model_path, check=finite)
             if version is not None:
                 self.weight_version = str(version)
 

@@ -79,6 +79,8 @@ class WeightEndpoints:
         """Selector of the open weight-update session (None: no session)."""
         self.tp_size = tp_size
         self.groups = WeightGroups(timeout_s, tp_size=tp_size)
+        self.finite = wr.FiniteCheck()
+        """Refuses NaN/inf weights on every update endpoint (its `seconds` are reported on /server_info)."""
         self._recv = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weights")
         self._served: Optional[wr.ServedWeights] = None
         self._released: dict[str, Any] = {}
@@ -244,6 +246,7 @@ class WeightEndpoints:
             self.groups.get(group_name)
             problems = self.served().problems(entries)  # reported after the broadcast, which must be consumed anyway
             staged = await self._off_loop(self.groups.receive, group_name, entries, load_format)
+            await self._off_loop(self.finite, staged, "update_weights_from_distributed")
             if problems:
                 raise wr.WeightUpdateError(f"update_weights_from_distributed: {len(problems)} of {len(entries)} tensors do "
                                            "not match the served model: " + "; ".join(problems[:8])
@@ -293,6 +296,7 @@ class WeightEndpoints:
                     if not wr.same_tensors(ranks[0], staged_r):
                         raise wr.WeightUpdateError(f"update_weights_from_tensor: TP rank {r}'s payload holds other "
                                                    "tensors than rank 0's (every rank loads the full tensors)")
+                self.finite(ranks[0], "update_weights_from_tensor")
                 return ranks[0]
 
             staged = await self._off_loop(load_all)

@@ -13,6 +13,9 @@ Semantics follow SGLang's model runner:
   `X.weight_scale` (per-channel w8a8_fp8);
 - a high-precision tensor may arrive in another high-precision dtype and is cast on copy (SGLang's
   weight loaders `copy_` into the parameter); any other dtype change is refused;
+- an update holding NaN or inf values (any endpoint: disk, distributed, tensor) is refused naming the
+  tensors, before anything is swapped (SGLang itself loads them; an engine is also reached by other
+  trainers and scripts than the one that checks before sending);
 - `/update_weights_from_distributed` receives every tensor of a well-formed request even when the
   check fails, so the group stays in step with the trainer; a broadcast that does not arrive within
   the group timeout destroys the group and fails the request;
@@ -169,6 +172,41 @@ def same_tensors(a: Sequence[tuple[str, torch.Tensor]], b: Sequence[tuple[str, t
         na == nb and ta.dtype == tb.dtype and ta.shape == tb.shape
         and torch.equal(ta.view(torch.uint8) if ta.element_size() == 1 else ta, tb.view(torch.uint8) if tb.element_size() == 1 else tb)
         for (na, ta), (nb, tb) in zip(a, b))
+
+
+def nonfinite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the floating-point tensors in `named` holding a NaN or an infinity (float8 included)."""
+    bad = []
+    with torch.no_grad():
+        for name, t in named:
+            if not t.is_floating_point():
+                continue
+            # float8 has few CPU kernels; its values widen exactly to float16 (e4m3 max 448, e5m2 max 57344)
+            finite = torch.isfinite(t.to(torch.float16) if t.element_size() == 1 else t).all()
+            if not bool(finite):
+                bad.append(name)
+    return bad
+
+
+class FiniteCheck:
+    """Refuses updates holding NaN/inf weights, naming the tensors; keeps the seconds it spent (/server_info)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        """Time spent checking, summed over every update so far."""
+
+    def __call__(self, named: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
+        """WeightUpdateError naming the non-finite tensors of an update (`what` names the endpoint)."""
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            bad = nonfinite_tensors(named)
+        finally:
+            self.seconds += time.perf_counter() - t0
+        if bad:
+            raise WeightUpdateError(f"{what}: {len(bad)} tensor(s) hold NaN/inf values: " + ", ".join(bad[:8])
+                                    + (" ..." if len(bad) > 8 else "") + " (weights unchanged)")
 
 
 def check_same_architecture(served: torch.nn.Module, new: torch.nn.Module, source: str) -> None:
