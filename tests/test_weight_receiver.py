@@ -370,5 +370,8 @@ def test_non_finite_weights_are_refused_on_every_endpoint(engine, tmp_path):
     assert after["output_ids"] == before["output_ids"]
     assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
     assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
-    fp8 = torch.tensor([1.0, 448.0, float("nan")]).to(torch.float8_e4m3fn)
-    assert nonfinite_tensors([("ok", fp8[:2]), ("bad", fp8), ("ids", torch.tensor([1, 2]))]) == ["bad"]
+    nan = float("nan")
+    fp8 = torch.tensor([1.0, 448.0, nan]).to(torch.float8_e4m3fn)
+    assert nonfinite_tensors([("ok", fp8[:2]), ("fp8", fp8), ("ids", torch.tensor([1, 2])), ("empty", torch.empty(0)),
+                              ("inf", torch.tensor([1.0, -float("inf")])), ("bf16", torch.tensor([nan, 1.0]).bfloat16()),
+                              ("e5m2", torch.tensor([float("inf")]).to(torch.float8_e5m2))]) == ["fp8", "inf", "bf16", "e5m2"]

@@ -121,6 +121,32 @@ def parse_generate_response(obj: Any, want_logprobs: bool = True) -> GenerateRes
                           text=text if isinstance(text, str) else None, matched=fr.get("matched"), meta_info=meta)
 
 
+def generate_body(input_ids: list[int], sampling_params: Optional[Mapping], return_logprob: bool,
+                  rid: Optional[str] = None) -> dict:
+    """The /generate body (GenerateReqInput) of one prompt: token ids in, log-probs of the sampled tokens out."""
+    if hasattr(sampling_params, "model_dump"):
+        sampling_params = sampling_params.model_dump()
+    body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
+                            "return_logprob": return_logprob, "logprob_start_len": -1}
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+def disk_update_body(model_path: str, weight_version: Optional[Any] = None, load_format: Optional[str] = None,
+                     flush_cache: bool = True) -> dict:
+    """The /update_weights_from_disk body (UpdateWeightFromDiskReqInput)."""
+    body: dict[str, Any] = {"model_path": model_path, "load_format": load_format, "flush_cache": flush_cache}
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def weight_version_body(new_version: Any, abort_all_requests: bool = False) -> dict:
+    """The /update_weight_version body (UpdateWeightVersionReqInput)."""
+    return {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+
+
 def run_sync(coro: Awaitable[T]) -> T:
     """Run a coroutine to completion from synchronous code (in a helper thread if a loop is already running here)."""
     try:
@@ -265,20 +291,9 @@ class RolloutClient:
                     self.mark_dead(url, str(exc))
 
     # ----------------------------------------------------------------------------- generate
-    @staticmethod
-    def _payload(input_ids: list[int], sampling_params: Optional[Mapping], return_logprob: bool,
-                 rid: Optional[str]) -> dict:
-        if hasattr(sampling_params, "model_dump"):
-            sampling_params = sampling_params.model_dump()
-        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
-                                "return_logprob": return_logprob, "logprob_start_len": -1}
-        if rid is not None:
-            body["rid"] = rid
-        return body
-
     async def _generate_one(self, session: aiohttp.ClientSession, sem: asyncio.Semaphore, input_ids: list[int],
                             sampling_params: Optional[Mapping], return_logprob: bool, rid: Optional[str]) -> list[GenerateResult]:
-        body = self._payload(input_ids, sampling_params, return_logprob, rid)
+        body = generate_body(input_ids, sampling_params, return_logprob, rid)
         n = int(body["sampling_params"].get("n", 1) or 1)
         async with sem:
             url, data = await self._post_generate(session, body)
@@ -358,15 +373,12 @@ class RolloutClient:
                                        load_format: Optional[str] = None, flush_cache: bool = True,
                                        timeout_s: Optional[float] = None) -> list[dict]:
         """POST /update_weights_from_disk to every server; raises unless all report success."""
-        body = {"model_path": model_path, "load_format": load_format, "flush_cache": flush_cache}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        return await self._all_success("/update_weights_from_disk", body, timeout_s)
+        return await self._all_success("/update_weights_from_disk",
+                                       disk_update_body(model_path, weight_version, load_format, flush_cache), timeout_s)
 
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> list[dict]:
         """POST /update_weight_version to every server."""
-        return await self._all_success("/update_weight_version",
-                                       {"new_version": str(new_version), "abort_all_requests": abort_all_requests})
+        return await self._all_success("/update_weight_version", weight_version_body(new_version, abort_all_requests))
 
     async def _all_success(self, path: str, body: Optional[dict], timeout_s: Optional[float] = None,
                            max_retries: Optional[int] = None, check_success: bool = True) -> list[Any]:

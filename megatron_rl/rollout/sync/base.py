@@ -27,6 +27,18 @@ from megatron_rl.rollout.client import RolloutClient, run_sync
 from megatron_rl.rollout.sync import sessions
 
 Bucket = list[tuple[str, torch.Tensor]]
+CONTINUE_BODY: dict = {}
+"""The /continue_generation body (ContinueGenerationReqInput, defaults)."""
+
+
+def pause_body(mode: str) -> dict:
+    """The /pause_generation body (PauseGenerationReqInput): "abort" or "in_place"."""
+    return {"mode": mode}
+
+
+def memory_body(tags: Optional[list[str]]) -> dict:
+    """The /release_memory_occupation and /resume_memory_occupation body ({tags}; None: every kind of memory)."""
+    return {"tags": tags}
 
 
 class WeightTransport:
@@ -78,7 +90,7 @@ class WeightTransport:
     def begin(self, weight_version: Any) -> None:
         """Pause generation on every engine before the first bucket, then open the sync's weight-update session on
         the engines that have sessions (transports whose updates need one)."""
-        run_sync(self.client.call_all("/pause_generation", {"mode": self.pause_mode}, self.timeout_s, check_success=False))
+        run_sync(self.client.call_all("/pause_generation", pause_body(self.pause_mode), self.timeout_s, check_success=False))
         if self.needs_session:
             self.open_sessions = run_sync(sessions.open_sessions(self.client, self.session_urls(), self.timeout_s))
 
@@ -92,7 +104,7 @@ class WeightTransport:
             if opened:
                 run_sync(sessions.close_sessions(self.client, opened, self.timeout_s))
         finally:
-            run_sync(self.client.call_all("/continue_generation", {}, self.timeout_s, check_success=False))
+            run_sync(self.client.call_all("/continue_generation", CONTINUE_BODY, self.timeout_s, check_success=False))
 
     # ------------------------------------------------------------------ stage senders
     def begin_stage(self, stage: int, num_stages: int, weight_version: Any) -> None:

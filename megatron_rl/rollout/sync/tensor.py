@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_rl.rollout.client import RolloutClient, run_sync
-from megatron_rl.rollout.sync.base import Bucket, WeightTransport
+from megatron_rl.rollout.sync.base import Bucket, WeightTransport, memory_body
 from megatron_rl.rollout.sync.serialization import serialize_per_rank
 
 
@@ -101,8 +101,8 @@ class TensorWeightSync(WeightTransport):
 
     def release_memory(self, tags: Optional[list[str]] = None) -> None:
         """POST /release_memory_occupation {tags} to every engine (None: weights and KV cache)."""
-        run_sync(self.client.call_all("/release_memory_occupation", {"tags": tags}, self.timeout_s, check_success=False))
+        run_sync(self.client.call_all("/release_memory_occupation", memory_body(tags), self.timeout_s, check_success=False))
 
     def resume_memory(self, tags: Optional[list[str]] = None) -> None:
         """POST /resume_memory_occupation {tags} to every engine."""
-        run_sync(self.client.call_all("/resume_memory_occupation", {"tags": tags}, self.timeout_s, check_success=False))
+        run_sync(self.client.call_all("/resume_memory_occupation", memory_body(tags), self.timeout_s, check_success=False))
