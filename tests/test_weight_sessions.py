@@ -18,7 +18,7 @@ import torch
 from megatron_rl.engine.testing import ThreadedServer, make_tiny_model
 from megatron_rl.rollout.client import RolloutClient, RolloutServerError
 from megatron_rl.rollout.sync import TensorWeightSync, sessions
-from test_weight_receiver import PROMPT, greedy, post, weights_of
+from test_weight_receiver import greedy, post, weights_of
 
 OUTSIDE = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
 OK = (200, {"success": True, "message": "Success"})
@@ -140,7 +140,7 @@ def _paused(url: str) -> bool:
     return RolloutClient(url).server_info_sync()[0]["internal_states"][0]["paused"]
 
 
-def test_the_session_is_closed_on_every_failure_path(engines, monkeypatch):
+def test_the_session_is_closed_on_every_failure_path(engines):
     servers, tsd, root = engines
     url = servers["0.5.23"].url
     transport = TensorWeightSync([url], bucket_mb=0.01, timeout_s=30)

@@ -18,7 +18,6 @@ with a warning: the engines take weights from one trainer.
 """
 from __future__ import annotations
 
-import asyncio
 import re
 import warnings
 from typing import Any, Optional, Sequence
