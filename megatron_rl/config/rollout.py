@@ -156,6 +156,12 @@ class RolloutConfig(StrictConfig):
                     raise ValueError(f"rollout.{name}: {u!r} is not an http(s) URL")
         if self.engine == "embedded" and (self.engine_tp_size, self.engine_dp_size) != (1, 1):
             raise ValueError("rollout.engine_tp_size / engine_dp_size apply to engine=sglang (embedded engines are single CPU processes)")
+        if self.engine_dp_size > 1 and self.weight_sync.transport in ("distributed", "tensor"):
+            # SGLang asserts dp_size == 1 in both update paths (0.5.8 and 0.5.23): the engine would refuse every sync
+            raise ValueError(f"rollout.engine_dp_size={self.engine_dp_size} is not supported with "
+                             f"rollout.weight_sync.transport={self.weight_sync.transport}: SGLang updates weights from a "
+                             "broadcast or tensor handles only with --dp-size 1; use more engines "
+                             "(rollout.num_engines) or transport=disk")
         if self.engine == "embedded" and (self.mem_fraction_static is not None or self.sglang_args):
             raise ValueError("rollout.mem_fraction_static / sglang_args apply to SGLang engines, not engine=embedded")
         if self.engine_gpus:
