@@ -85,6 +85,8 @@ class RolloutConfig(StrictConfig):
     """Data-parallel replicas (>= 1) inside one SGLang engine (--dp-size); GPUs used = num_engines * engine_tp_size * engine_dp_size."""
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: engines on GPUs (nodes) of their own; colocated: engines share the learner's devices, release their memory while it trains and resume it before the weight sync (weights via weight_sync.transport=tensor, the default there)."""
+    colocate_offload: bool = False
+    """placement=colocated: every learner rank moves its optimizer states and gradient buffers to host memory while the engines run, and back before it trains (trainer/offload.py; the step's numbers are unchanged)."""
     overlap: Literal["none", "one_step_off"] = "none"
     """none: each step generates, then trains; one_step_off: step t+1's samples are generated (with the weights of step t) while step t trains."""
     engine_gpus: list[Annotated[int, Field(ge=0)]] = []
@@ -184,6 +186,9 @@ class RolloutConfig(StrictConfig):
                                  "(use transport=distributed or disk)")
         if self.placement == "colocated":
             self._check_colocated()
+        elif self.colocate_offload:
+            raise ValueError(f"rollout.colocate_offload=true applies to rollout.placement=colocated (got {self.placement}): "
+                             "disaggregated engines never share the learner's devices")
         if self.api_key is not None and (not self.api_key or any(c.isspace() or not c.isprintable() for c in self.api_key)):
             raise ValueError("rollout.api_key must be a non-empty string without whitespace (it is sent in an HTTP header)")
         return self
