@@ -158,3 +158,14 @@ def test_updates_are_sent_inside_weight_update_sessions(recorded):
             assert "/begin_weight_update" in before and "/end_weight_update" in after, r.path
             assert before[::-1].index("/begin_weight_update") < (before[::-1] + ["/end_weight_update"]).index(
                 "/end_weight_update"), "the session opened before this update is still open"
+
+
+def test_the_flag_fixture_is_the_pinned_sglangs(site):
+    """tests/fixtures/sglang_server_flags.json (what the CPU launcher tests check argv against) is what the extractor
+    reads from the pinned SGLang."""
+    sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+    from extract_sglang_flags import extract, read_sources
+
+    fixture = json.loads((ROOT / "tests" / "fixtures" / "sglang_server_flags.json").read_text())
+    assert extract(read_sources(str(site))) == {"flags": fixture["flags"], "choices": fixture["choices"]}
+    assert fixture["source"].startswith(f"sglang-{pins()['sglang']}-")
