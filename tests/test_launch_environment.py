@@ -183,3 +183,17 @@ def test_slurm_router_key_is_assigned_not_exported(capsys):
     script = (ROOT / "examples" / "launch" / "slurm_common.sh").read_text()
     router_line = next(ln for ln in script.splitlines() if "--policy \"$ROUTER_POLICY\"" in ln)
     assert '${ROUTER_API_KEY:+--api-key "$ROUTER_API_KEY"}' in router_line
+
+
+def test_no_import_circle_between_the_launchers():
+    """launcher.py imports sglang_launcher.py (its engine registry); neither reaches back: both use processes.py."""
+    import ast
+
+    def imports(name: str) -> set[str]:
+        tree = ast.parse((ROOT / "megatron_rl" / "rollout" / f"{name}.py").read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
+            {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    assert "megatron_rl.rollout.launcher" not in imports("sglang_launcher")
+    assert "megatron_rl.rollout.launcher" not in imports("processes")
+    assert "megatron_rl.rollout.sglang_launcher" not in imports("processes")

@@ -24,8 +24,16 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
+import torch.distributed as dist
+
 from megatron_rl.parallel.comm import barrier
 from megatron_rl.tracking import Timers
+
+
+def _all_ranks_wait() -> None:
+    """Every learner rank reaches this point (nothing to wait for without a process group, e.g. a lone controller)."""
+    if dist.is_initialized():
+        barrier()
 
 
 class EngineMemory:
@@ -53,7 +61,7 @@ class EngineMemory:
             if self.is_controller and not self.engines_released:
                 self.transport.release_memory(None)
             self.engines_released = True
-            barrier()
+            _all_ranks_wait()
             if self.offload is not None:
                 self.offload.reload()
 
@@ -68,7 +76,7 @@ class EngineMemory:
                 self.offload.offload()
             if self.device is not None:
                 release_device_cache(self.device)
-            barrier()
+            _all_ranks_wait()
             if self.is_controller and self.engines_released:
                 self.transport.resume_memory(None)
             self.engines_released = False
