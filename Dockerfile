@@ -8,8 +8,9 @@
 # Not built by this repository's CI (no container engine or image registry there): tests/test_dockerfile.py
 # lints it with hadolint and checks the pins below against constraints/cpu.txt.
 #
-# Versions live in one place each: the build arguments below (base image, SGLang, apex, and the two Python pins
-# the test compares with constraints/cpu.txt), and constraints/cpu.txt for every other Python package.
+# Versions live in one place each: the build arguments below (base image, SGLang, apex, and the Python pins the
+# test compares with constraints/cpu.txt and, for SGLang, constraints/conformance.txt: the version the conformance
+# tier checks the project against), and constraints/cpu.txt for every other Python package.
 # BASE_IMAGE is the NGC release megatron-core 0.16.1's own development image is built on
 # (docker/.ngc_version.dev at tag core_v0.16.1): torch 2.10 pre-release, CUDA 13, Transformer Engine 2.x, Python 3.12.
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
@@ -17,7 +18,7 @@ FROM ${BASE_IMAGE}
 
 ARG MEGATRON_CORE_VERSION=0.16.1
 ARG SGLANG_ROUTER_VERSION=0.3.2
-ARG SGLANG_VERSION=0.5.8
+ARG SGLANG_VERSION=0.5.23
 ARG APEX_REF=25.09
 ARG SGLANG_VENV=/opt/sglang
 

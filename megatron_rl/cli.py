@@ -5,6 +5,7 @@
     megatron-rl sft CONFIG          # supervised warm start only
     megatron-rl serve --model-path DIR --port 30000   # embedded SGLang-protocol rollout server
     megatron-rl engines CONFIG [overrides]            # this node's engines (+ router): print URLs, block until killed
+    megatron-rl engines CONFIG --dry-run --gpus 8     # what it would start: one JSON line {argv, env} per process
     megatron-rl data CONFIG         # write the synthetic task's JSONL + tokenizer
     megatron-rl convert hf-to-megatron HF MG [--config CONFIG]   # reshardable torch_dist checkpoint (torchrun)
     megatron-rl convert megatron-to-hf MG HF [--hf-config BASE]  # any TP/PP layout -> safetensors shards + index
@@ -96,9 +97,18 @@ def _print_fields(model, prefix: str) -> None:
 
 def cmd_engines(args) -> int:
     """Start this node's rollout engines (rollout.engine embedded|sglang, + router when rollout.use_router), print their URLs, block until killed."""
-    from megatron_rl.rollout.node import serve_engines
+    import json
 
+    from megatron_rl.rollout.node import dry_run, serve_engines
+
+    if args.gpus is not None and not args.dry_run:
+        print("error: --gpus applies to --dry-run (a real start uses the GPUs this node has)", file=sys.stderr)
+        return 2
     try:
+        if args.dry_run:
+            for line in dry_run(_load(args), model_path=args.model_path, gpus=args.gpus):
+                print(json.dumps(line), flush=True)
+            return 0
         return serve_engines(_load(args), model_path=args.model_path, urls_file=args.urls_file)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -187,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--model-path", default=None, help="HF model directory the engines start from (default: model.init_checkpoint)")
     p.add_argument("--urls-file", default=None, help="also write the URLs as JSON {generate: [...], workers: [...]} here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="start nothing: print one JSON line {argv, env} per process it would start (env: set values, null = removed)")
+    p.add_argument("--gpus", type=int, default=None, help="--dry-run: GPUs of the node (default: the CUDA devices seen here)")
     p.set_defaults(fn=cmd_engines)
     p = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__)
     p.add_argument("kind", choices=["hf-to-megatron", "megatron-to-hf", "hf-to-fp8", "megatron-to-fp8"],

@@ -90,8 +90,10 @@ def run(cfg: RunConfig) -> dict:
                            sinks=open_sinks(cfg, session.run_dir)) if is_controller else None
     rollouts = overlap.RolloutSchedule(cfg.rollout.overlap, lambda s, t: controller_rollout(session, s, t),
                                        pending=session.rl_state.get("pending_rollout"), enabled=is_controller)
-    memory = placement.EngineMemory(session.transport, cfg.rollout.placement, enabled=is_controller)
+    memory = placement.EngineMemory(session.transport, cfg.rollout.placement, is_controller=is_controller,
+                                    learner=session.learner, offload=cfg.rollout.colocate_offload)
     try:
+        memory.resume(timers)  # colocated: the learner frees what it can before the engines fill up
         weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step)
         eval_before = session.rl_state.get("eval_before", evaluate(session)) if session.start_step else evaluate(session)
         progress = Progress(cfg.train.steps, session.start_step, enabled=is_controller and cfg.tracking.progress_bar)
@@ -120,11 +122,13 @@ def run(cfg: RunConfig) -> dict:
             if verdict.stop:
                 raise health.TrainingHealthError(verdict.stop)
             if verdict.ok and cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 and step + 1 < cfg.train.steps:
-                save(session, step, {"eval_before": eval_before, **rollouts.state_dict()})
+                with memory.learner_resident(timers):
+                    save(session, step, {"eval_before": eval_before, **rollouts.state_dict()})
         progress.close()
         eval_after = evaluate(session)
         if verdict.ok:  # the last step's weights passed the health checks
-            save(session, cfg.train.steps - 1, {"eval_before": eval_before, "eval_after": eval_after})
+            with memory.learner_resident(timers):
+                save(session, cfg.train.steps - 1, {"eval_before": eval_before, "eval_after": eval_after})
         if not is_controller:
             return {}
         writer.close()

@@ -167,8 +167,11 @@ def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
     if r.engine == "external":
         gen_urls, worker_urls = resolve_external(r.urls, r.weight_update_urls, api_key=r.api_key)
     else:
+        from megatron_rl.rollout.sglang_launcher import trainer_local_gpus
+
         cluster = launch_from_config(r, hf_dir, tokenizer_path=hf_dir, log_dir=str(run_dir / "logs"),
-                                     precision=cfg.precision, launch_dir=sync_dir)
+                                     precision=cfg.precision, launch_dir=sync_dir,
+                                     learner_gpus=trainer_local_gpus() if r.engine == "sglang" else None)
         gen_urls, worker_urls = cluster.generate_urls, cluster.worker_urls
     client = RolloutClient.from_config(r, gen_urls)
     client.wait_until_healthy_sync(r.startup_timeout_s)
@@ -209,9 +212,9 @@ def check_rollout_engines(cfg: RunConfig) -> None:
         check_external_rollout(cfg)
         resolve_external(cfg.rollout.urls, cfg.rollout.weight_update_urls, api_key=cfg.rollout.api_key)
     elif cfg.rollout.engine == "sglang":
-        from megatron_rl.rollout.sglang_launcher import check_sglang_python, engine_gpu_groups, learner_local_gpus, visible_gpu_count
+        from megatron_rl.rollout.sglang_launcher import check_sglang_python, engine_gpu_groups, trainer_local_gpus, visible_gpu_count
 
-        engine_gpu_groups(cfg.rollout, visible_gpu_count(), learner_local_gpus())
+        engine_gpu_groups(cfg.rollout, visible_gpu_count(), trainer_local_gpus())
         check_sglang_python(cfg.rollout.sglang_python)
 
 

@@ -1,5 +1,6 @@
 """The Dockerfile (never built here: no container engine): hadolint-clean, pins agreeing with constraints/cpu.txt,
 the SGLang environment the GPU configs point at, and every COPY source present."""
+import json
 import re
 import shutil
 import subprocess
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -42,7 +45,12 @@ def test_pins_agree_with_constraints():
     assert args["MEGATRON_CORE_VERSION"] == pins["megatron-core"]
     assert args["SGLANG_ROUTER_VERSION"] == pins["sglang-router"]
     assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", args["BASE_IMAGE"]), "a dated NGC tag, never latest"
-    assert re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", args["SGLANG_VERSION"])
+    # one SGLang everywhere: the image's, the conformance tier's and the flag fixture's
+    from conformance_packages import pins as conformance_pins
+
+    assert args["SGLANG_VERSION"] == conformance_pins()["sglang"]
+    fixture = json.loads((ROOT / "tests" / "fixtures" / "sglang_server_flags.json").read_text())
+    assert fixture["source"].startswith(f"sglang-{args['SGLANG_VERSION']}-"), fixture["source"]
     text = DOCKERFILE.read_text()
     # every other package comes from constraints/cpu.txt, minus the torch pin (the image's CUDA torch stays)
     assert "grep -v '^torch==' constraints/cpu.txt > /tmp/constraints.txt" in text

@@ -52,16 +52,13 @@ def test_incompatible_combinations_are_refused_naming_the_field():
     assert RolloutConfig(overlap="one_step_off").overlap == "one_step_off"
 
 
-def test_embedded_colocated_engines_keep_a_weights_backup(monkeypatch):
+def test_embedded_colocated_engines_keep_a_weights_backup():
     """The launcher starts colocated embedded engines with --enable-weights-cpu-backup (an unhealthy step is not synced)."""
-    from megatron_rl.rollout import launcher
+    from megatron_rl.rollout.launcher import plan_from_config
 
-    seen = {}
-    monkeypatch.setattr(launcher, "launch_engines", lambda *a, **kw: seen.update(kw))
-    monkeypatch.setattr("megatron_rl.precision.rollout_formats.write_launch_checkpoint", lambda path, *a: path)
     for placement, expected in (("colocated", True), ("disaggregated", False)):
-        launcher._launch_embedded(RolloutConfig(placement=placement), PrecisionConfig(), "/m", None, None)
-        assert ("--enable-weights-cpu-backup" in seen["engine_args"]) is expected
+        plan = plan_from_config(RolloutConfig(placement=placement, num_engines=2), "/m", precision=PrecisionConfig())
+        assert [("--enable-weights-cpu-backup" in p.argv) for p in plan.engines] == [expected, expected]
 
 
 # ------------------------------------------------------------------------------------------------ mechanics
@@ -133,8 +130,8 @@ def test_engine_memory_only_acts_for_colocated_engines_on_the_controller():
         def resume_memory(self, tags):
             calls.append(("resume", tags))
 
-    for placement, enabled in (("disaggregated", True), ("colocated", False)):
-        memory = EngineMemory(Transport(), placement, enabled)
+    for placement, controller in (("disaggregated", True), ("colocated", False)):
+        memory = EngineMemory(Transport(), placement, is_controller=controller)
         memory.release(Timers())
         memory.resume(Timers())
     assert calls == []

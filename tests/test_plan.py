@@ -176,3 +176,22 @@ def test_sglang_default_memory_fraction_follows_its_heuristic():
     assert memory.sglang_default_mem_fraction(180 * 10**9, 8) < memory.sglang_default_mem_fraction(180 * 10**9, 1)
     plan = _plan(["rollout.mem_fraction_static=null"])
     assert plan.engine_memory.pool == int(memory.sglang_default_mem_fraction(80 * 10**9, 1) * 80 * 10**9)
+
+
+def test_colocated_plan_counts_what_stays_beside_the_engines(capsys):
+    """Beside colocated engines a learner keeps weights, FP8 copies, reference and overhead, plus gradients and
+    optimizer states unless rollout.colocate_offload moves them to host: a pool that fits only with offload says so."""
+    overrides = [*COLOCATED, "rollout.mem_fraction_static=0.5"]
+    kept = _plan([*overrides, "rollout.colocate_offload=false"], nodes=1)
+    offloaded = _plan([*overrides, "rollout.colocate_offload=true"], nodes=1)
+    lm = kept.learner_memory
+    assert lm.beside_engines(True) == lm.weights + lm.fp8_copies + lm.reference + lm.overhead
+    assert lm.beside_engines(False) == lm.beside_engines(True) + lm.gradients + lm.optimizer == lm.resident()
+    assert kept.learner_beside_engines == lm.resident() and offloaded.learner_beside_engines == lm.beside_engines(True)
+    assert kept.codes() == ["colocated-out-of-memory"] and offloaded.ok
+    assert "rollout.colocate_offload=true" in next(f.message for f in kept.findings if f.code == "colocated-out-of-memory")
+    assert _plan(COLOCATED + ["rollout.mem_fraction_static=0.3"], nodes=1).learner_beside_engines == lm.resident()
+    assert _plan().learner_beside_engines == 0
+    from megatron_rl.plan.report import render
+
+    assert "beside the engines" in render(offloaded) and "(rollout.colocate_offload=true)" in render(offloaded)

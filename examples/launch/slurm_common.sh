@@ -37,11 +37,12 @@ for host in "${engine_hosts[@]}"; do
   step_pids+=($!)
 done
 
-# 3. sglang-router on the first engine node, in front of every worker (weight updates go to the workers).
+# 3. sglang-router on the first engine node, in front of every worker (weight updates go to the workers). With
+#    rollout.api_key it requires the key from the learners and sends it to the engines (started with it).
 read -ra worker_urls <<< "$WORKER_URLS"
 srun --nodes=1 --ntasks=1 --overlap --nodelist="${engine_hosts[0]}" \
   "$PY" -m sglang_router.launch_router --worker-urls "${worker_urls[@]}" --host 0.0.0.0 --port "$router_port" \
-  --policy "$ROUTER_POLICY" &
+  --policy "$ROUTER_POLICY" ${ROUTER_API_KEY:+--api-key "$ROUTER_API_KEY"} &
 step_pids+=($!)
 
 # 4. Wait until every worker and the router answer /health (a step that died is reported at once).

@@ -85,6 +85,8 @@ class RolloutConfig(StrictConfig):
     """Data-parallel replicas (>= 1) inside one SGLang engine (--dp-size); GPUs used = num_engines * engine_tp_size * engine_dp_size."""
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: engines on GPUs (nodes) of their own; colocated: engines share the learner's devices, release their memory while it trains and resume it before the weight sync (weights via weight_sync.transport=tensor, the default there)."""
+    colocate_offload: bool = False
+    """placement=colocated: every learner rank moves its optimizer states and gradient buffers to host memory while the engines run, and back before it trains (trainer/offload.py; the step's numbers are unchanged)."""
     overlap: Literal["none", "one_step_off"] = "none"
     """none: each step generates, then trains; one_step_off: step t+1's samples are generated (with the weights of step t) while step t trains."""
     engine_gpus: list[Annotated[int, Field(ge=0)]] = []
@@ -156,6 +158,12 @@ class RolloutConfig(StrictConfig):
                     raise ValueError(f"rollout.{name}: {u!r} is not an http(s) URL")
         if self.engine == "embedded" and (self.engine_tp_size, self.engine_dp_size) != (1, 1):
             raise ValueError("rollout.engine_tp_size / engine_dp_size apply to engine=sglang (embedded engines are single CPU processes)")
+        if self.engine_dp_size > 1 and self.weight_sync.transport in ("distributed", "tensor"):
+            # SGLang asserts dp_size == 1 in both update paths (0.5.8 and 0.5.23): the engine would refuse every sync
+            raise ValueError(f"rollout.engine_dp_size={self.engine_dp_size} is not supported with "
+                             f"rollout.weight_sync.transport={self.weight_sync.transport}: SGLang updates weights from a "
+                             "broadcast or tensor handles only with --dp-size 1; use more engines "
+                             "(rollout.num_engines) or transport=disk")
         if self.engine == "embedded" and (self.mem_fraction_static is not None or self.sglang_args):
             raise ValueError("rollout.mem_fraction_static / sglang_args apply to SGLang engines, not engine=embedded")
         if self.engine_gpus:
@@ -178,6 +186,9 @@ class RolloutConfig(StrictConfig):
                                  "(use transport=distributed or disk)")
         if self.placement == "colocated":
             self._check_colocated()
+        elif self.colocate_offload:
+            raise ValueError(f"rollout.colocate_offload=true applies to rollout.placement=colocated (got {self.placement}): "
+                             "disaggregated engines never share the learner's devices")
         if self.api_key is not None and (not self.api_key or any(c.isspace() or not c.isprintable() for c in self.api_key)):
             raise ValueError("rollout.api_key must be a non-empty string without whitespace (it is sent in an HTTP header)")
         return self

@@ -106,6 +106,10 @@ class Plan:
     """Prompt + response tokens trained per step."""
     options: PlanOptions = field(default_factory=PlanOptions)
     """Assumptions used."""
+    colocate_offload: bool = False
+    """rollout.colocate_offload: optimizer states and gradients leave the GPU while colocated engines run."""
+    learner_beside_engines: int = 0
+    """Bytes a learner rank keeps on the GPU while colocated engines run (0 when not colocated; LearnerMemory.beside_engines)."""
 
     @property
     def ok(self) -> bool:
@@ -217,7 +221,7 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                                   kv_fp8=prec.kv_cache_dtype == "fp8_e4m3", device_bytes=device.memory_bytes,
                                   mem_fraction_static=fraction, concurrent_sequences=concurrent,
                                   tokens_per_sequence=seq_tokens)
-        findings += _engine_findings(em, lay, lm, device, fraction, seq_tokens)
+        findings += _engine_findings(em, lay, lm, device, fraction, seq_tokens, r.colocate_offload)
 
     payload = throughput.weight_sync_bytes(arch, fp8_rollout)
     calib = cfg.algo.calibration
@@ -258,11 +262,12 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     return Plan(layout=lay, findings=findings, seq_len=seq_len, learner_memory=lm, engine_memory=em,
                 weight_sync_bytes=payload, calibration_bytes_per_calibration_step=calib_step,
                 calibration_bytes_per_step=calib_per_step, flops=flops, decode_tokens_per_s=decode, step_time=step,
-                tokens_per_step=tokens, options=opt)
+                tokens_per_step=tokens, options=opt, colocate_offload=r.colocate_offload,
+                learner_beside_engines=lm.beside_engines(r.colocate_offload) if lay.placement == "colocated" else 0)
 
 
 def _engine_findings(em: memory.EngineMemory, lay: Layout, lm: memory.LearnerMemory, device: DeviceSpec,
-                     fraction: float, seq_tokens: int) -> list[Finding]:
+                     fraction: float, seq_tokens: int, offload: bool = False) -> list[Finding]:
     """Engine weights vs the static pool, KV capacity vs one sequence and vs demand, colocated sharing."""
     out = []
     if em.weights > em.pool:
@@ -276,8 +281,12 @@ def _engine_findings(em: memory.EngineMemory, lay: Layout, lm: memory.LearnerMem
         out.append(Finding("kv-cache-limits-concurrency", "warning",
                            f"KV cache holds {em.kv_capacity_tokens} tokens per replica; rollout.concurrency asks "
                            f"{em.kv_demand_tokens}: requests will queue (raise engine_tp_size or use fp8_e4m3 KV)"))
-    if lay.placement == "colocated" and lm.resident() + em.pool > device.memory_bytes:
+    kept = lm.beside_engines(offload)
+    if lay.placement == "colocated" and kept + em.pool > device.memory_bytes:
+        hint = ("" if offload or lm.beside_engines(True) + em.pool > device.memory_bytes
+                else " or set rollout.colocate_offload=true (optimizer states and gradients to host while the engines run)")
         out.append(Finding("colocated-out-of-memory", "error",
-                           f"colocated: learner state {lm.resident() / GIB:.1f} GiB + engine pool {em.pool / GIB:.1f} GiB "
-                           f"exceed {device.memory_bytes / GIB:.1f} GiB: lower rollout.mem_fraction_static"))
+                           f"colocated: learner state kept beside the engines {kept / GIB:.1f} GiB + engine pool "
+                           f"{em.pool / GIB:.1f} GiB exceed {device.memory_bytes / GIB:.1f} GiB: lower "
+                           f"rollout.mem_fraction_static{hint}"))
     return out

@@ -8,7 +8,9 @@ all of them; the other hosts run the learner. Colocated (one host: `megatron-rl 
 tensor transport reaches engines on the controller's host only): the host runs both, and every URL names
 127.0.0.1, the address the config's tensor-transport check accepts as this host. Engine k of a host
 listens on ENGINE_BASE_PORT + k, the router on ROUTER_PORT. Printed variables: ENGINE_HOSTS,
-ENGINES_PER_NODE, WORKER_URLS, ROUTER_URL, ROUTER_POLICY, LEARNER_HOSTS, LEARNER_NNODES, MASTER_ADDR. Fails (exit 2, one line) when the layout does not fit: run `megatron-rl plan` for why.
+ENGINES_PER_NODE, WORKER_URLS, ROUTER_URL, ROUTER_POLICY, LEARNER_HOSTS, LEARNER_NNODES, MASTER_ADDR, and
+ROUTER_API_KEY (rollout.api_key, empty without one; assigned, not exported, so no other process inherits the key).
+Fails (exit 2, one line) when the layout does not fit: run `megatron-rl plan` for why.
 """
 from __future__ import annotations
 
@@ -43,7 +45,12 @@ def assign(cfg, hosts: Sequence[str], gpus_per_node: int, gpu: str = "h100", rou
         "LEARNER_HOSTS": " ".join(learner_hosts),
         "LEARNER_NNODES": str(len(learner_hosts)),
         "MASTER_ADDR": learner_hosts[0],
+        "ROUTER_API_KEY": r.api_key or "",
     }
+
+
+NOT_EXPORTED = ("ROUTER_API_KEY",)
+"""Variables the scripts use themselves and no child should inherit."""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -67,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for name, value in values.items():
-        print(f"export {name}={shlex.quote(value)}")
+        print(f"{'' if name in NOT_EXPORTED else 'export '}{name}={shlex.quote(value)}")
     return 0
 
 

@@ -87,8 +87,15 @@ class LearnerMemory:
                 + self.overhead)
 
     def resident(self) -> int:
-        """Bytes held between steps (weights, grads, optimizer, FP8 copies, reference, overhead): what a colocated engine sits beside."""
+        """Bytes held between steps (weights, grads, optimizer, FP8 copies, reference, overhead)."""
         return self.weights + self.gradients + self.optimizer + self.fp8_copies + self.reference + self.overhead
+
+    def beside_engines(self, offload: bool) -> int:
+        """Bytes a learner rank keeps on the GPU while colocated engines run (phases/placement.py): activations and logits
+        are gone and the allocator cache is emptied; the weights, FP8 copies, KL reference and the overhead stay, and so do
+        the gradient buffer and optimizer states unless rollout.colocate_offload moves them to host (trainer/offload.py)."""
+        kept = self.weights + self.fp8_copies + self.reference + self.overhead
+        return kept if offload else kept + self.gradients + self.optimizer
 
 
 def optimizer_bytes_per_param(params_dtype: str, distributed: bool, shards: int) -> float:

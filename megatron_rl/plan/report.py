@@ -43,6 +43,11 @@ def render(plan: Plan, title: str = "") -> str:
         f"  overhead            {_gib(lm.overhead)}   stated allowance (--overhead-gib)",
         f"  total               {_gib(lm.total())}   ({_gib(lm.total(recompute=True)).strip()} with full recompute)",
     ]
+    if lay.placement == "colocated":
+        offload = plan.colocate_offload
+        lines.append(f"  beside the engines  {_gib(lm.beside_engines(offload))}   kept while colocated engines run: weights, FP8 "
+                     f"copies, reference, overhead{'' if offload else ', gradients, optimizer states'} "
+                     f"(rollout.colocate_offload={str(offload).lower()})")
     if em is not None:
         lines += [
             "engine memory per GPU (plan/memory.py):",

@@ -11,7 +11,19 @@ then `ready`:
     router http://node12:30002
     ready
 
-(`--urls-file PATH` also writes {"generate": [...], "workers": [...]} as JSON.) The trainer then
+(`--urls-file PATH` also writes {"generate": [...], "workers": [...]} as JSON.)
+
+`--dry-run [--gpus N]` starts nothing and writes nothing: it prints one JSON line per process the
+command would start, engines first, then the router:
+
+    {"argv": ["/opt/sglang/bin/python", "-m", "sglang.launch_server", ...], "env": {"RANK": null, ..., "CUDA_VISIBLE_DEVICES": "0"}}
+
+`argv` is the exact command line; `env` holds the changes to this command's own environment, a
+string for a variable set, null for one removed (torchrun's worker variables, rollout/processes.py).
+`--gpus N` is the node's GPU count (default: the CUDA devices this process sees), so a login node
+without GPUs can show an 8-GPU node's layout. No GPU is kept for a learner here: this command is no
+torchrun worker (a LOCAL_WORLD_SIZE in its environment describes some other launch), so the engines
+take the node's devices from 0 on, or those rollout.engine_gpus names when learners share the node. The trainer then
 uses rollout.engine=external with rollout.urls = the router (or the engines) and, without a
 router, rollout.weight_update_urls left empty. An engine that dies is reported on stderr and not
 restarted here: a restarted engine would serve the start checkpoint's weights to the router before
@@ -34,10 +46,10 @@ POLL_S = 2.0
 """How often the engines' processes are checked while serving."""
 
 
-def model_dir(cfg, model_path: Optional[str]) -> str:
+def model_dir(cfg, model_path: Optional[str], must_exist: bool = True) -> str:
     """The HF directory engines start from: --model-path, else model.init_checkpoint (ValueError naming both)."""
     path = model_path or cfg.model.init_checkpoint
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+    if not path or (must_exist and not os.path.isfile(os.path.join(path, "config.json"))):
         raise ValueError(f"engines need an HF model directory (config.json + safetensors): pass --model-path or set "
                          f"model.init_checkpoint to one (got {path!r})")
     return path
@@ -50,6 +62,17 @@ def node_rollout_config(rollout):
     return rollout.model_copy(update={"engine": engine, "urls": [], "weight_update_urls": []})
 
 
+def dry_run(cfg, model_path: Optional[str] = None, gpus: Optional[int] = None) -> list[dict]:
+    """{"argv", "env"} of every process `serve_engines` would start (engines, then the router); starts nothing."""
+    from megatron_rl.rollout.launcher import plan_from_config
+
+    r = node_rollout_config(cfg.rollout)
+    path = model_dir(cfg, model_path, must_exist=False)
+    plan = plan_from_config(r, path, tokenizer_path=cfg.data.tokenizer_dir or path, precision=cfg.precision,
+                            launch_dir=str(Path(cfg.run_dir) / "weights"), visible_gpus=gpus, learner_gpus=0)
+    return [p.to_json() for p in plan.processes]
+
+
 def serve_engines(cfg, model_path: Optional[str] = None, urls_file: Optional[str] = None,
                   max_wait_s: Optional[float] = None) -> int:
     """Start this node's engines for `cfg`, print their URLs, keep them alive until SIGTERM/SIGINT; returns the exit code."""
@@ -59,7 +82,7 @@ def serve_engines(cfg, model_path: Optional[str] = None, urls_file: Optional[str
     path = model_dir(cfg, model_path)
     log_dir = str(Path(cfg.run_dir) / "logs" / f"engines_{socket.gethostname()}")
     cluster = launch_from_config(r, path, tokenizer_path=cfg.data.tokenizer_dir or path, log_dir=log_dir,
-                                 precision=cfg.precision, launch_dir=str(Path(cfg.run_dir) / "weights"))
+                                 precision=cfg.precision, launch_dir=str(Path(cfg.run_dir) / "weights"), learner_gpus=0)
     stop = {"signal": None}
 
     def on_signal(signum, frame) -> None:

@@ -1,6 +1,7 @@
 """Real SGLang engines (GPU): `python -m sglang.launch_server` command lines from the config, GPU assignment, start.
 
-Command line of engine i (flags checked against SGLang's server arguments by
+Every engine's environment is the launcher's without torchrun's worker variables (rollout/processes.py)
+plus its CUDA_VISIBLE_DEVICES. Command line of engine i (flags checked against SGLang's server arguments by
 tests/test_sglang_launcher.py, from a fixture extracted from sglang's server_args.py):
 
     <rollout.sglang_python> -m sglang.launch_server --model-path P --host H --port PORT
@@ -25,8 +26,9 @@ GPU assignment on one node: the engines use K = num_engines * engine_tp_size * e
 engine i gets the consecutive devices gpus[i*k : (i+1)*k] (k = engine_tp_size * engine_dp_size)
 through CUDA_VISIBLE_DEVICES, so inside SGLang they are devices 0..k-1. `gpus` is
 rollout.engine_gpus when set, otherwise the node's devices after the learner's: the learner's
-torchrun ranks on this node hold devices 0..L-1 (L = LOCAL_WORLD_SIZE, 0 on a rollout-only node
-started by `megatron-rl engines`) and the engines take L..L+K-1; colocated engines take 0..K-1,
+torchrun ranks on this node hold devices 0..L-1 (L = LOCAL_WORLD_SIZE; unset means 0: a rollout-only
+node started by `megatron-rl engines`; a trainer starting its own engines outside torchrun counts its
+one device) and the engines take L..L+K-1; colocated engines take 0..K-1,
 the learner's own devices. Device indices are as this process
 sees them: under an outer CUDA_VISIBLE_DEVICES they are positions in that list.
 """
@@ -37,7 +39,7 @@ import shutil
 import subprocess
 from typing import Optional, Sequence
 
-from megatron_rl.rollout.launcher import EngineSpec, LaunchError, RolloutCluster, start_cluster
+from megatron_rl.rollout.processes import EngineSpec, LaunchError, RolloutCluster, start_cluster
 
 
 def sglang_command(cfg, precision, model_path: str, port: int, seed: int) -> list[str]:
@@ -67,8 +69,17 @@ def sglang_command(cfg, precision, model_path: str, port: int, seed: int) -> lis
 
 
 def learner_local_gpus() -> int:
-    """GPUs the learner's ranks hold on this node: torchrun's LOCAL_WORLD_SIZE (1 outside torchrun)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    """GPUs torchrun's learner ranks hold on this node: LOCAL_WORLD_SIZE, 0 when unset (a rollout-only node:
+    `megatron-rl engines` is not started by torchrun and no learner shares its GPUs)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+
+
+def trainer_local_gpus() -> int:
+    """GPUs the learner of *this* process's run holds on this node (the trainer starting its own engines):
+    LOCAL_WORLD_SIZE under torchrun, else 1 on a CUDA machine (a single-process learner on device 0), else 0."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return learner_local_gpus()
+    return 1 if visible_gpu_count() else 0
 
 
 def engine_gpu_groups(cfg, visible_gpus: int, learner_gpus: int) -> list[list[int]]:
@@ -133,27 +144,37 @@ def visible_gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def node_gpu_groups(cfg, visible_gpus: Optional[int] = None, learner_gpus: Optional[int] = None) -> list[list[int]]:
+    """`engine_gpu_groups` with this node's facts for the counts not given (CUDA devices, LOCAL_WORLD_SIZE or 0)."""
+    return engine_gpu_groups(cfg, visible_gpu_count() if visible_gpus is None else visible_gpus,
+                             learner_local_gpus() if learner_gpus is None else learner_gpus)
+
+
+def sglang_specs(cfg, precision, launch_path: str, groups: Sequence[Sequence[int]]) -> list[EngineSpec]:
+    """How to start each engine: its command line and CUDA_VISIBLE_DEVICES (engine i: seed rollout.seed + i, groups[i])."""
+    def spec(i: int) -> EngineSpec:
+        return EngineSpec(lambda port: sglang_command(cfg, precision, launch_path, port, cfg.seed + i),
+                          {"CUDA_VISIBLE_DEVICES": cuda_visible_devices(groups[i])})
+
+    return [spec(i) for i in range(cfg.num_engines)]
+
+
 def launch_sglang_engines(cfg, precision, model_path: str, log_dir: Optional[str] = None,
                           launch_dir: Optional[str] = None, learner_gpus: Optional[int] = None,
                           visible_gpus: Optional[int] = None) -> RolloutCluster:
     """Start cfg.num_engines SGLang servers on this node's free GPUs, wait for /health, then the router if asked.
 
     `launch_dir` receives the rollout-format launch checkpoint when `model_path` must be quantized
-    first (default: beside the logs); `learner_gpus` / `visible_gpus` default to this node's facts.
+    first (default: beside the logs); `learner_gpus` / `visible_gpus` default to this node's facts
+    (`node_gpu_groups`).
     """
     from megatron_rl.precision.rollout_formats import write_launch_checkpoint
 
-    groups = engine_gpu_groups(cfg, visible_gpu_count() if visible_gpus is None else visible_gpus,
-                               learner_local_gpus() if learner_gpus is None else learner_gpus)
+    groups = node_gpu_groups(cfg, visible_gpus, learner_gpus)
     check_sglang_python(cfg.sglang_python)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise LaunchError(f"SGLang engines need an HF model directory; {model_path!r} has no config.json")
     launch_path = write_launch_checkpoint(model_path, precision, launch_dir or os.path.join(log_dir or ".", "launch"))
-
-    def spec(i: int) -> EngineSpec:
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=cuda_visible_devices(groups[i]))
-        return EngineSpec(lambda port: sglang_command(cfg, precision, launch_path, port, cfg.seed + i), env)
-
-    return start_cluster([spec(i) for i in range(cfg.num_engines)], host=cfg.host, base_port=cfg.base_port,
+    return start_cluster(sglang_specs(cfg, precision, launch_path, groups), host=cfg.host, base_port=cfg.base_port,
                          use_router=cfg.use_router, router_policy=cfg.router_policy,
                          startup_timeout_s=cfg.startup_timeout_s, log_dir=log_dir, api_key=cfg.api_key)

@@ -3,7 +3,8 @@
 Run:  python tests/gpu/calibration_device_check.py   (one PASS/FAIL line per check and a JSON summary; exit 1 on failure)
       python tests/gpu/calibration_device_check.py --device cpu   (the same checks on CPU: keeps the script honest in CI)
 
-What it needs, and how to bring it to a GPU machine without network (the lent H200 has Python 3.12 and a CUDA
+All prepared checks run together with `bash tests/gpu/run_all.sh` (which also installs the wheels below). What it
+needs, and how to bring it to a GPU machine without network (the lent H200 has Python 3.12 and a CUDA
 torch, but no pydantic, megatron-core or transformer-engine):
   here (with pip):       bash tests/gpu/fetch_wheels.sh          # cp312 wheels into .whl/ (git-excluded)
   there (carry ".whl"):  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -13,6 +13,8 @@
    device cannot host both ends of an NCCL group, so a one-GPU machine records this check as skipped).
 
 Run:  python tests/gpu/weight_sync_device_check.py   (one line per check, a JSON summary; exit 1 on failure)
+      python tests/gpu/weight_sync_device_check.py --device cpu   (the same code paths with CPU tensors, in CI via
+      tests/gpu/run_all.sh --cpu; the CUDA-only checks 2b and 5 do not run there)
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 RESULTS: list[dict] = []
+DEVICE = "cuda"
 
 
 def check(name: str, ok: bool, **detail) -> None:
@@ -55,8 +58,8 @@ def fp8_quantization_matches_cpu() -> None:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(1000, 700, generator=g) * torch.logspace(-4, 2, 1000).unsqueeze(1)
         cpu = convert("model.layers.0.mlp.up_proj.weight", w)
-        gpu = convert("model.layers.0.mlp.up_proj.weight", w.cuda())
-        same = all(a[0] == b[0] and b[1].is_cuda and torch.equal(a[1].view(torch.uint8) if a[1].element_size() == 1 else a[1],
+        gpu = convert("model.layers.0.mlp.up_proj.weight", w.to(DEVICE))
+        same = all(a[0] == b[0] and b[1].device.type == DEVICE and torch.equal(a[1].view(torch.uint8) if a[1].element_size() == 1 else a[1],
                                                                  (b[1].view(torch.uint8) if b[1].element_size() == 1 else b[1]).cpu())
                    for a, b in zip(cpu, gpu))
         check(f"fp8_blockwise_gpu_equals_cpu[{scale_fmt}]", same and len(cpu) == 2)
@@ -66,7 +69,7 @@ def cuda_ipc_payload_opens_in_another_process() -> None:
     from megatron_rl.engine.tensor_payload import deserialize_named_tensors
     from megatron_rl.rollout.sync.serialization import serialize_named_tensors
 
-    t = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4) * 0.5
+    t = torch.arange(12, dtype=torch.float32, device=DEVICE).reshape(3, 4) * 0.5
     blob = serialize_named_tensors([("w", t)])
     reader = textwrap.dedent("""
         import base64, io, sys, torch
@@ -76,10 +79,12 @@ def cuda_ipc_payload_opens_in_another_process() -> None:
         name, t = named[0]
         print(name, t.device.type, t.cpu().flatten().tolist())
     """)
-    proc = subprocess.run([sys.executable, "-c", reader], input=blob, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", reader], input=blob, capture_output=True, text=True, timeout=300)
     out = proc.stdout.split(maxsplit=2)
-    ok = proc.returncode == 0 and out[:2] == ["w", "cuda"] and json.loads(out[2]) == t.cpu().flatten().tolist()
-    check("cuda_ipc_handle_read_by_other_process", ok, stderr=proc.stderr[-500:])
+    ok = proc.returncode == 0 and out[:2] == ["w", DEVICE] and json.loads(out[2]) == t.cpu().flatten().tolist()
+    check(f"{'cuda_ipc' if DEVICE == 'cuda' else 'shared_memory'}_handle_read_by_other_process", ok, stderr=proc.stderr[-500:])
+    if DEVICE != "cuda":
+        return
     try:
         deserialize_named_tensors(blob)
         check("embedded_engine_refuses_cuda_ipc", False)
@@ -97,7 +102,7 @@ def cuda_tensors_into_cpu_engine() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_model(f"{tmp}/base", seed=0)
         target = make_tiny_model(f"{tmp}/target", seed=4)
-        items = [(n, t.cuda()) for n, t in target.state_dict().items() if n != "lm_head.weight"]
+        items = [(n, t.to(DEVICE)) for n, t in target.state_dict().items() if n != "lm_head.weight"]
         cluster = launch_engines(f"{tmp}/base", 1, log_dir=f"{tmp}/logs")
         try:
             for cls in (DistributedWeightSync, TensorWeightSync):
@@ -115,7 +120,7 @@ def cuda_tensors_into_cpu_engine() -> None:
                     with urllib.request.urlopen(req, timeout=60) as resp:
                         ok &= torch.equal(torch.tensor(json.loads(resp.read())), t.cpu())
                 tr.close()
-                check(f"cuda_tensors_into_cpu_engine[{cls.name}]", ok)
+                check(f"{DEVICE}_tensors_into_cpu_engine[{cls.name}]", ok)
         finally:
             cluster.stop()
 
@@ -133,7 +138,7 @@ def gpu_learner_streaming_export() -> None:
     got = {n: t for b in StreamingExporter(learner).buckets(1 << 16) for n, t in b}
     devices = {t.device.type for t in got.values()}
     ok = got.keys() == reference.keys() and all(torch.equal(got[n].cpu(), reference[n]) for n in reference)
-    check("gpu_learner_streaming_export_equals_whole_model", ok, devices=sorted(devices))
+    check(f"{DEVICE}_learner_streaming_export_equals_whole_model", ok and devices <= {DEVICE}, devices=sorted(devices))
     state.destroy_distributed()
 
 
@@ -163,17 +168,21 @@ def nccl_broadcast_two_gpus() -> None:
     check("nccl_broadcast_two_gpus", all(o.endswith("True") for o in outs), outputs=outs)
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     """Run every section, print a JSON summary, exit 1 on any failure."""
-    if not torch.cuda.is_available():
-        print("needs CUDA")
+    global DEVICE
+    if argv[:2] == ["--device", "cpu"]:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("needs CUDA (or --device cpu)")
         return 1
-    for fn in (fp8_quantization_matches_cpu, cuda_ipc_payload_opens_in_another_process, cuda_tensors_into_cpu_engine,
-               gpu_learner_streaming_export, nccl_broadcast_two_gpus):
+    sections = [fp8_quantization_matches_cpu, cuda_ipc_payload_opens_in_another_process, cuda_tensors_into_cpu_engine,
+                gpu_learner_streaming_export] + ([nccl_broadcast_two_gpus] if DEVICE == "cuda" else [])
+    for fn in sections:
         guarded(fn)
     print(json.dumps({"passed": sum(r["ok"] for r in RESULTS), "failed": sum(not r["ok"] for r in RESULTS)}))
     return 0 if all(r["ok"] for r in RESULTS) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

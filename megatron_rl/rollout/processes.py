@@ -1,0 +1,405 @@
+"""Rollout subprocesses (engines, sglang-router): their command lines and environments, start, health, stop.
+
+Shared by both launchers (rollout/launcher.py: embedded CPU engines and the engine registry;
+rollout/sglang_launcher.py: real SGLang servers), which import this module and never each other's
+internals. A cluster is first *planned* (`plan_cluster`: every process's exact argv, port and
+environment changes) and then started from that plan (`start_cluster`), so `megatron-rl engines
+--dry-run` prints exactly what a real start runs.
+
+Environment of every child: the launcher's own, minus the variables a distributed launcher
+(torchrun) sets for *its* workers (`LAUNCHER_ENV_NAMES`, `LAUNCHER_ENV_PREFIXES`: RANK, WORLD_SIZE,
+MASTER_ADDR, TORCHELASTIC_USE_AGENT_STORE, ...). A child that inherited them would take part in
+the trainer's rendezvous: torch makes every SGLang TP rank a client of a TCP store that does not
+exist and its own rendezvous waits forever. Plus the process's own settings (an engine's
+CUDA_VISIBLE_DEVICES). `env_changes` gives that difference as {name: value, removed name: None}.
+
+No orphans: every engine and the router start in their own process group with PR_SET_PDEATHSIG
+(SIGKILL when the launching process dies, even by SIGKILL; SGLang's own subprocesses do the same
+towards their parent), and `stop()` signals the whole group (SIGTERM, then SIGKILL).
+A start that dies or stays unhealthy raises `LaunchError` with the tail of that process's log.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+ROUTER_POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")
+
+
+class LaunchError(RuntimeError):
+    """A rollout subprocess failed to start or become healthy."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free on `host` (may be taken again before use; callers retry on bind errors)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ManagedProcess:
+    """A started subprocess (leader of its own process group) with its log file and how to start it again."""
+
+    name: str
+    """Human-readable role, e.g. 'engine 0' or 'router'."""
+    proc: subprocess.Popen
+    """The process handle."""
+    url: str
+    """Base URL it serves."""
+    log_path: str
+    """File receiving its stdout and stderr."""
+    cmd: list[str] = field(default_factory=list)
+    """argv it was started with (restarts reuse it)."""
+    env: Optional[dict] = None
+    """Full environment it was started with."""
+    restarts: int = 0
+    """How many times it was restarted."""
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        """The end of the process's log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - max_chars))
+                return f.read().decode(errors="replace")
+        except OSError as exc:
+            return f"<log unavailable: {exc}>"
+
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the process's whole group (its subprocesses included); no-op once it is gone."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM to the process group, then SIGKILL after `timeout_s`; always reaps the leader."""
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # children the leader left behind (e.g. SGLang schedulers) go with the group
+        self.signal_group(signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=timeout_s)
+
+    def restart(self) -> None:
+        """Stop (if still running) and start again with the same command, environment and log file."""
+        self.stop()
+        self.proc = _popen(self.cmd, self.log_path, self.env)
+        self.restarts += 1
+
+
+@dataclass
+class RolloutCluster:
+    """Running engines (and router); use as a context manager or call `stop()`."""
+
+    engines: list[ManagedProcess] = field(default_factory=list)
+    """Engine processes."""
+    router: Optional[ManagedProcess] = None
+    """sglang-router process, if started."""
+    startup_timeout_s: float = 120.0
+    """Health wait of a (re)start."""
+
+    @property
+    def worker_urls(self) -> list[str]:
+        """Engine base URLs (targets of weight sync)."""
+        return [e.url for e in self.engines]
+
+    @property
+    def generate_url(self) -> str:
+        """Where /generate should go: the router if any, else the first engine."""
+        return self.router.url if self.router else self.engines[0].url
+
+    @property
+    def generate_urls(self) -> list[str]:
+        """URLs a client should spread /generate over: [router] or all engines."""
+        return [self.router.url] if self.router else self.worker_urls
+
+    def owns(self, url: str) -> bool:
+        """Whether `url` is one of the engines started here."""
+        return any(e.url == url.rstrip("/") for e in self.engines)
+
+    def restart_engine(self, url: str) -> None:
+        """Restart the engine serving `url` on the same port and wait for its /health (LaunchError on failure)."""
+        engine = next(e for e in self.engines if e.url == url.rstrip("/"))
+        engine.restart()
+        wait_healthy(engine, "/health", self.startup_timeout_s)
+
+    def stop(self) -> None:
+        """Stop the router, then every engine (each with its process group)."""
+        procs = ([self.router] if self.router else []) + list(self.engines)
+        for p in procs:
+            if p.proc.poll() is None:
+                p.signal_group(signal.SIGTERM)
+        for p in procs:
+            p.stop()
+
+    def __enter__(self) -> "RolloutCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _http_ok(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
+    """(status is 2xx, description) of a GET."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return 200 <= resp.status < 300, f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return False, f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def wait_healthy(proc: ManagedProcess, path: str, timeout_s: float, poll_s: float = 0.25) -> None:
+    """Poll `proc.url + path` until 2xx; LaunchError (with the log tail) if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while True:
+        if proc.proc.poll() is not None:
+            raise LaunchError(f"{proc.name} ({proc.url}) exited with code {proc.proc.returncode} while starting; "
+                              f"log tail ({proc.log_path}):\n{proc.log_tail()}")
+        ok, last = _http_ok(proc.url + path)
+        if ok:
+            return
+        if time.monotonic() >= deadline:
+            raise LaunchError(f"{proc.name} ({proc.url}) not healthy after {timeout_s:g} s (last: {last}); "
+                              f"log tail ({proc.log_path}):\n{proc.log_tail()}")
+        time.sleep(poll_s)
+
+
+_LIBC = None
+
+
+def _die_with_parent_preexec(parent_pid: int):
+    """preexec_fn: PR_SET_PDEATHSIG(SIGKILL) in the child, so it dies with the process that started it.
+
+    The kernel sends the signal when the *thread* that forked exits, so start engines from a
+    thread that lives as long as the run (the main thread). libc is loaded before the fork.
+    """
+    global _LIBC
+    if not sys.platform.startswith("linux"):
+        return None
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    libc = _LIBC
+
+    def preexec() -> None:
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _popen(cmd: list[str], log_path: str, env: Optional[dict]) -> subprocess.Popen:
+    """Start `cmd` as the leader of a new process group, output appended to `log_path`, dying with this process."""
+    log = open(log_path, "ab")
+    try:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, preexec_fn=_die_with_parent_preexec(os.getpid()))
+    except OSError as exc:
+        raise LaunchError(f"cannot start {cmd[0]!r}: {exc}") from None
+    finally:
+        log.close()  # the child holds its own descriptor
+
+
+def _spawn(name: str, cmd: list[str], url: str, log_dir: str, env: Optional[dict] = None) -> ManagedProcess:
+    """Start one managed process; `env` None = this process's environment without the launcher variables."""
+    env = apply_env(env_changes()) if env is None else env
+    log_path = os.path.join(log_dir, name.replace(" ", "_") + ".log")
+    return ManagedProcess(name, _popen(cmd, log_path, env), url, log_path, list(cmd), env)
+
+
+def public_host(bind_host: str) -> str:
+    """Host name other processes use to reach a server bound to `bind_host` (the node's name for a wildcard bind)."""
+    return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
+
+
+LAUNCHER_ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "MASTER_ADDR", "MASTER_PORT")
+"""Variables torchrun sets for its workers that no engine or router may inherit (see the module docstring)."""
+LAUNCHER_ENV_PREFIXES = ("TORCHELASTIC_", "ROLE_")
+"""Prefixes of the other torchrun worker variables (TORCHELASTIC_USE_AGENT_STORE, ROLE_RANK, ...)."""
+
+
+def launcher_variables(base: Mapping[str, str]) -> list[str]:
+    """Names to remove from a child's environment: every LAUNCHER_ENV_NAMES entry (present or not, so the
+    change list says what a child never sees) and each variable of `base` with a LAUNCHER_ENV_PREFIXES prefix."""
+    return list(LAUNCHER_ENV_NAMES) + sorted(n for n in base if n.startswith(LAUNCHER_ENV_PREFIXES))
+
+
+def env_changes(settings: Optional[Mapping[str, str]] = None, base: Optional[Mapping[str, str]] = None) -> dict[str, Optional[str]]:
+    """A child's environment as changes to `base` (default os.environ): launcher variables removed (None), then `settings` set."""
+    base = os.environ if base is None else base
+    changes: dict[str, Optional[str]] = {name: None for name in launcher_variables(base)}
+    changes.update(settings or {})
+    return changes
+
+
+def apply_env(changes: Mapping[str, Optional[str]], base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The full environment `changes` (from `env_changes`) make of `base` (default os.environ)."""
+    env = dict(os.environ if base is None else base)
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def router_command(worker_urls: Sequence[str], port: int, host: str = "127.0.0.1", policy: str = "round_robin",
+                   extra_args: Sequence[str] = ()) -> list[str]:
+    """argv of the real sglang-router in front of `worker_urls` (it probes each worker's /health)."""
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"router policy {policy!r} must be one of {ROUTER_POLICIES}")
+    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--policy", policy, "--host", host, "--port", str(port),
+            # the default 30 s between startup checks would dominate a CPU run's start time
+            "--worker-startup-check-interval", "1",
+            # a dead worker leaves the rotation after 2 failed checks 5 s apart (default: 3 x 60 s);
+            # a restarted one is back after 1 good check. Requests that hit it meanwhile are retried
+            # on another worker by the router itself (--retry-max-retries, default 5).
+            "--health-check-interval-secs", "5", "--health-failure-threshold", "2",
+            "--health-success-threshold", "1", "--log-level", "warn",
+            # its metrics exporter defaults to port 29000: two routers on one machine would collide
+            "--prometheus-host", host, "--prometheus-port", str(free_port(host)), *extra_args]
+
+
+@dataclass
+class EngineSpec:
+    """How to start one engine: its argv for a given port, and what it sets in its environment."""
+
+    command: Callable[[int], list[str]]
+    """argv of the engine listening on the given port."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables set for this engine (e.g. its CUDA_VISIBLE_DEVICES); launcher variables are removed in any case."""
+
+
+@dataclass
+class PlannedProcess:
+    """One process a cluster start runs: name, exact argv, the URL it will serve, its environment changes."""
+
+    name: str
+    """'engine i' or 'router'."""
+    argv: list[str]
+    """Command line."""
+    url: str
+    """Base URL it serves."""
+    env: dict[str, Optional[str]]
+    """Changes to the launcher's environment: value = set, None = removed (`env_changes`)."""
+
+    def to_json(self) -> dict:
+        """{"argv": [...], "env": {name: value or null}}: one line of `megatron-rl engines --dry-run`."""
+        return {"argv": list(self.argv), "env": dict(self.env)}
+
+
+@dataclass
+class ClusterPlan:
+    """Every process of a cluster start, in start order (engines, then the router)."""
+
+    engines: list[PlannedProcess]
+    """Engine processes."""
+    router: Optional[PlannedProcess] = None
+    """The sglang-router, when one starts."""
+
+    @property
+    def processes(self) -> list[PlannedProcess]:
+        """Engines then the router."""
+        return self.engines + ([self.router] if self.router else [])
+
+
+def plan_cluster(specs: Sequence[EngineSpec], *, host: str = "127.0.0.1", base_port: int = 0, use_router: bool = False,
+                 router_policy: str = "round_robin", router_args: Sequence[str] = (),
+                 api_key: Optional[str] = None) -> ClusterPlan:
+    """Ports, argv and environment of every process `start_cluster` would run (nothing starts).
+
+    Ports are free ports unless `base_port` > 0 (engine i: base_port + i, router: base_port + len(specs)).
+    """
+    if not specs:
+        raise ValueError("at least one engine is needed")
+    url_host = public_host(host)
+    engines = []
+    for i, spec in enumerate(specs):
+        port = base_port + i if base_port > 0 else free_port(host)
+        engines.append(PlannedProcess(f"engine {i}", spec.command(port), f"http://{url_host}:{port}", env_changes(spec.env)))
+    router = None
+    if use_router:
+        port = base_port + len(specs) if base_port > 0 else free_port(host)
+        # with a key the router requires it from clients and authorizes itself to the workers with it
+        key_args = ["--api-key", api_key] if api_key else []
+        router = PlannedProcess("router", router_command([e.url for e in engines], port, host, router_policy,
+                                                         [*key_args, *router_args]),
+                                f"http://{url_host}:{port}", env_changes())
+    return ClusterPlan(engines, router)
+
+
+def start_cluster(specs: Sequence[EngineSpec], *, host: str = "127.0.0.1", base_port: int = 0,
+                  use_router: bool = False, router_policy: str = "round_robin", startup_timeout_s: float = 120.0,
+                  log_dir: Optional[str] = None, router_args: Sequence[str] = (),
+                  api_key: Optional[str] = None) -> RolloutCluster:
+    """Start every engine of `specs` (as `plan_cluster` plans them), wait for each /health, then optionally the
+    router; all stopped on any failure."""
+    if use_router:
+        import importlib.util
+
+        if importlib.util.find_spec("sglang_router") is None:
+            raise LaunchError("rollout.use_router needs the sglang-router package (pip install sglang-router)")
+    plan = plan_cluster(specs, host=host, base_port=base_port, use_router=use_router, router_policy=router_policy,
+                        router_args=router_args, api_key=api_key)
+    log_dir = log_dir or tempfile.mkdtemp(prefix="megatron_rl_rollout_")
+    os.makedirs(log_dir, exist_ok=True)
+    cluster = RolloutCluster(startup_timeout_s=startup_timeout_s)
+    try:
+        for p in plan.engines:
+            cluster.engines.append(_spawn(p.name, p.argv, p.url, log_dir, apply_env(p.env)))
+        for e in cluster.engines:
+            wait_healthy(e, "/health", startup_timeout_s)
+        if plan.router is not None:
+            cluster.router = _spawn("router", plan.router.argv, plan.router.url, log_dir, apply_env(plan.router.env))
+            wait_router(cluster.router, len(cluster.engines), startup_timeout_s, api_key=api_key)
+        return cluster
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float, api_key: Optional[str] = None) -> None:
+    """Wait until the router lists `num_workers` healthy workers and answers /health (a router given
+    --api-key guards its worker list with the key)."""
+    from megatron_rl.rollout.topology import router_workers
+
+    deadline = time.monotonic() + timeout_s
+    wait_healthy(router, "/health", timeout_s)
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if router.proc.poll() is not None:
+            break
+        try:
+            workers = router_workers(router.url, healthy_only=True, api_key=api_key)
+            if workers is not None and len(workers) >= num_workers:
+                return
+            last = f"{len(workers or [])}/{num_workers} workers registered"
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.25)
+    raise LaunchError(f"router ({router.url}) did not register {num_workers} workers in {timeout_s:g} s "
+                      f"(last: {last}); log tail:\n{router.log_tail()}")
+
+

@@ -1,0 +1,62 @@
+"""Conformance with the real sglang-router (the trainer's own pin, constraints/cpu.txt): every router command line the
+project builds (each policy, with and without an API key; the Slurm script's) parses with its RouterArgs and gives
+the intended fields.
+
+Run: pytest -q tests/conformance/test_conformance_router.py
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conformance_packages import trainer_pin
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.rollout.processes import ROUTER_POLICIES, router_command
+
+pytestmark = pytest.mark.conformance
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_pinned_router_is_installed():
+    import sglang_router
+
+    assert sglang_router.__version__ == trainer_pin("sglang-router")
+
+
+def test_router_policies_are_the_routers_own():
+    import typing
+
+    assert set(typing.get_args(RolloutConfig.model_fields["router_policy"].annotation)) == set(ROUTER_POLICIES)
+
+
+@pytest.mark.parametrize("policy", ROUTER_POLICIES)
+@pytest.mark.parametrize("key", [None, "s3cret"])
+def test_router_command_parses_with_router_args(policy, key):
+    from sglang_router.launch_router import parse_router_args
+
+    workers = ["http://node-0:30000", "http://node-0:30001"]
+    argv = router_command(workers, 30002, "0.0.0.0", policy, ["--api-key", key] if key else [])
+    assert argv[1:3] == ["-m", "sglang_router.launch_router"]
+    args = parse_router_args(argv[3:])
+    assert (args.worker_urls, args.policy, args.host, args.port) == (workers, policy, "0.0.0.0", 30002)
+    assert (args.worker_startup_check_interval, args.health_check_interval_secs, args.health_failure_threshold) == (1, 5, 2)
+    assert args.api_key == key and args.prometheus_host == "0.0.0.0" and args.prometheus_port > 0
+
+
+def test_slurm_router_line_parses_with_router_args():
+    """The router line of examples/launch/slurm_common.sh, its variables filled in as the script fills them."""
+    from sglang_router.launch_router import parse_router_args
+
+    script = (ROOT / "examples" / "launch" / "slurm_common.sh").read_text()
+    line = " ".join(part.strip().rstrip("\\").strip() for part in
+                    re.search(r'"\$PY" -m sglang_router\.launch_router(.*?)&\n', script, re.S).group(1).splitlines())
+    values = {'"${worker_urls[@]}"': "http://n0:30001 http://n0:30002", '"$router_port"': "30000",
+              '"$ROUTER_POLICY"': "cache_aware", '${ROUTER_API_KEY:+--api-key "$ROUTER_API_KEY"}': "--api-key k"}
+    for name, value in values.items():
+        assert name in line, name
+        line = line.replace(name, value)
+    args = parse_router_args(line.split())
+    assert args.worker_urls == ["http://n0:30001", "http://n0:30002"] and args.policy == "cache_aware"
+    assert args.port == 30000 and args.api_key == "k"
