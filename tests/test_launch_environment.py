@@ -82,7 +82,7 @@ def test_dry_run_reports_what_does_not_fit(capsys):
 def test_dry_run_of_embedded_engines(capsys, tmp_path):
     lines = _dry_run(capsys, str(ROOT / "examples/configs/tiny_grpo.yaml"), f"run_dir={tmp_path}", "rollout.num_engines=2",
                      f"model.init_checkpoint={tmp_path / 'hf'}")
-    assert [ln["argv"][1:3] for ln in lines] == [["-m", "megatron_rl.rollout.server"]] * 2
+    assert [ln["argv"][1:3] for ln in lines] == [["-m", "megatron_rl.engine.server"]] * 2
     assert "CUDA_VISIBLE_DEVICES" not in lines[0]["env"] and not list(tmp_path.iterdir()), "nothing written"
 
 

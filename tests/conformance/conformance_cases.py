@@ -106,11 +106,14 @@ class Recorder:
 
     engine_url: str
     model_dir: str
+    tp2_url: Optional[str] = None
+    """An engine of 2 TP ranks (the tensor scenario's target: one payload per rank); the main engine when None."""
     requests: list[Recorded] = field(default_factory=list)
     keep: list = field(default_factory=list)
     """Objects that must outlive the scenarios (the tensor transport's shared memory, read by the probe later)."""
     payloads: list[dict] = field(default_factory=list)
-    """Tensor payloads sent, with what they hold: {"body_index", "expect": [[name, dtype, shape, sha256], ...]}."""
+    """Tensor payloads: {"body_index" (the recorded request), "blobs" (unconsumed payloads built the same way),
+    "expect": [[name, dtype, shape, sha256], ...]}."""
 
 
 def _bucket(model_dir: str, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
@@ -169,14 +172,21 @@ def scenario_tensor(rec: Recorder) -> None:
     """transport=tensor: pause, update_weights_from_tensor (shared-memory handles), continue; release / resume."""
     from megatron_rl.rollout.sync import TensorWeightSync
 
-    transport = TensorWeightSync([rec.engine_url], timeout_s=60)
+    transport = TensorWeightSync([rec.tp2_url or rec.engine_url], timeout_s=60)
     bucket = _bucket(rec.model_dir)
     start = len(rec.requests)
     _sync(transport, bucket, 3)
     index = next(i for i in range(start, len(rec.requests)) if rec.requests[i].path == "/update_weights_from_tensor")
     from sglang_probe import _describe
 
-    rec.payloads.append({"body_index": index, "expect": _describe(bucket)})
+    from megatron_rl.rollout.sync.tensor import update_tensor_body
+
+    # A shared-memory handle is consumed once: pickling increments the segment's refcount and each unpickling
+    # decrements it (torch's file_system strategy), so the engine's copy cannot be opened again by the probe.
+    # The probe gets a body of its own, built by the same builder from the same shared buffer.
+    tp = len(rec.requests[index].body["serialized_named_tensors"])
+    fresh = update_tensor_body(transport.arena.place(bucket), tp, True, 3)["serialized_named_tensors"]
+    rec.payloads.append({"body_index": index, "blobs": fresh, "expect": _describe(bucket)})
     rec.keep.append(transport)  # its shared memory must outlive the probe that opens the handles again
     transport.release_memory(None)
     transport.resume_memory(None)
@@ -191,7 +201,8 @@ SCENARIOS: dict[str, Callable[[Recorder], None]] = {
 """Project code paths whose requests are recorded and checked (name -> function driving them against the engine)."""
 EXPECTED_PATHS = {"/generate", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
                   "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-                  "/update_weights_from_tensor", "/release_memory_occupation", "/resume_memory_occupation"}
+                  "/update_weights_from_tensor", "/release_memory_occupation", "/resume_memory_occupation",
+                  "/begin_weight_update", "/end_weight_update"}
 """Every endpoint the scenarios must have sent a body to (a body that silently disappears fails the check)."""
 
 

@@ -43,14 +43,17 @@ def site() -> Path:
 def recorded(tmp_path_factory):
     """Every request the scenarios sent to a live embedded engine (and the objects their payloads need)."""
     from megatron_rl.rollout.launcher import launch_engines
-    from megatron_rl.rollout.testing import make_tiny_model
+    from megatron_rl.engine.testing import make_tiny_model
 
     work = tmp_path_factory.mktemp("conformance")
     make_tiny_model(str(work / "hf"), seed=3)
     with pytest.MonkeyPatch.context() as mp:
+        # A second engine of 2 TP ranks receives the tensor sync, so one payload per rank is what gets checked.
         with launch_engines(str(work / "hf"), 1, engine_args=["--enable-weights-cpu-backup"],
-                            log_dir=str(work / "logs")) as cluster:
-            rec = record(Recorder(cluster.worker_urls[0], str(work / "hf")), mp)
+                            log_dir=str(work / "logs")) as cluster, \
+                launch_engines(str(work / "hf"), 1, engine_args=["--enable-weights-cpu-backup", "--tp-size", "2"],
+                               log_dir=str(work / "logs_tp2")) as cluster_tp2:
+            rec = record(Recorder(cluster.worker_urls[0], str(work / "hf"), tp2_url=cluster_tp2.worker_urls[0]), mp)
             yield rec
 
 
@@ -63,7 +66,7 @@ def probe(site, recorded, tmp_path_factory):
         "sampling_params": [{"id": f"generate{i}", "params": r.body["sampling_params"]}
                             for i, r in enumerate(recorded.requests) if r.path == "/generate"],
         "payloads": [{"id": f"tensor{p['body_index']}",
-                      "blobs": recorded.requests[p["body_index"]].body["serialized_named_tensors"]}
+                      "blobs": p["blobs"]}
                      for p in recorded.payloads],
     }
     work = tmp_path_factory.mktemp("probe")
@@ -129,6 +132,8 @@ def test_tensor_payloads_decode_through_sglangs_deserializer(probe, recorded):
     for r in probe["payloads"]:
         assert r["ok"], r.get("error")
         assert r["got"] and all(rank == expected[r["id"]] for rank in r["got"])
+        sent = recorded.requests[int(r["id"].removeprefix("tensor"))].body["serialized_named_tensors"]
+        assert len(r["got"]) == len(sent) == 2, "the 2-rank engine gets one payload per TP rank"
 
 
 def test_session_rule_and_model_info_version_are_in_the_pinned_source(site):
@@ -147,8 +152,6 @@ def test_session_rule_and_model_info_version_are_in_the_pinned_source(site):
     assert "weight_version" in keys, "GET /model_info reports the weight version in the pinned SGLang"
 
 
-@pytest.mark.xfail(strict=True, reason="weight-update sessions are sent by the transports of branch `sglang` (issue 17 "
-                                       "item 1); drop this marker when it lands")
 def test_updates_are_sent_inside_weight_update_sessions(recorded):
     """SGLang 0.5.23 refuses both updates outside /begin_weight_update ... /end_weight_update (checked above)."""
     for i, r in enumerate(recorded.requests):
