@@ -78,7 +78,7 @@ def test_external_router(warm, tmp_path):
                   "rollout.num_engines=1", "precision.rollout_quantization=none", "precision.kv_cache_dtype=auto")
         from megatron_rl.rollout.client import RolloutClient
 
-        assert RolloutClient(cluster.worker_urls).server_info_sync()[0]["weight_version"] == "1"
+        assert RolloutClient(cluster.worker_urls).weight_versions_sync() == ["1"]
 
 
 @needs_router

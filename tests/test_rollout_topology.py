@@ -225,7 +225,7 @@ def test_sigkilled_engine_loses_no_sample(tmp_path):
         with pytest.warns(RuntimeWarning, match="is dead; restarting"):
             transport.push(new.state_dict(), 1)
         assert cluster.engines[0].restarts == 1
-        versions = [RolloutClient(u).server_info_sync()[0]["weight_version"] for u in cluster.worker_urls]
+        versions = RolloutClient(cluster.worker_urls).weight_versions_sync()  # /model_info: where 0.5.23 reports it
         assert versions == ["1", "1"]
 
         # 3) without a router the client itself re-sends to the survivor
