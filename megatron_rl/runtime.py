@@ -270,7 +270,8 @@ def open_session(cfg: RunConfig) -> RunSession:
     session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                          reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir,
                          prompts=PromptStream(train_rows, cfg.data.seed),
-                         health=HealthGuard(cfg.train.health, learner.arch.vocab_size, cfg.train.ppo_epochs * cfg.train.num_minibatches),
+                         health=HealthGuard(cfg.train.health, learner.arch.vocab_size, cfg.train.ppo_epochs * cfg.train.num_minibatches,
+                                            rollout_lag=1 if cfg.rollout.overlap == "one_step_off" else 0),
                          started=started)
     if cfg.algo.kl.coef > 0:
         from megatron_rl.phases.logprobs import ReferencePolicy
@@ -358,4 +359,14 @@ def save(session: RunSession, step: int, extra: dict) -> None:
     rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None,
                 "prompt_cursor": session.prompts.cursor, "health": session.health.state_dict(),
                 "wall_s": session.wall_time(), "sessions": session.sessions(), **extra}
-    save_checkpoint(session.learner, checkpoint_root(session), step, rl_state, keep_last=session.cfg.checkpoint.keep_last)
+    save_checkpoint(session.learner, checkpoint_root(session), step, rl_state, keep_last=session.cfg.checkpoint.keep_last,
+                    protect=vouched_checkpoint(session))
+
+
+def vouched_checkpoint(session: RunSession) -> Optional[str]:
+    """The newest checkpoint whose weights' own rollouts passed the health checks (retention keeps it: a later stop may
+    condemn every newer one); meaningful on the controller, which judges."""
+    from megatron_rl.trainer.checkpoint import list_checkpoints
+
+    vouched = [path for step, path in list_checkpoints(checkpoint_root(session)) if step + 1 <= session.health.vouched_version]
+    return str(vouched[-1]) if vouched else None

@@ -176,18 +176,26 @@ class Trainer:
         self.fd, self.lines = r, []
 
     def finish(self, timeout: float = 300.0) -> int:
-        """Read what the trainer says until it ends; its wait status."""
-        buffer, deadline = b"", time.monotonic() + timeout
-        while time.monotonic() < deadline and select.select([self.fd], [], [], deadline - time.monotonic())[0]:
+        """Read what the trainer says until it ends (not until the pipe closes: a child it leaves may hold the pipe);
+        its wait status."""
+        buffer, deadline, status, open_ = b"", time.monotonic() + timeout, None, True
+        while status is None:
+            if open_ and select.select([self.fd], [], [], 0.05)[0]:
+                data = os.read(self.fd, 1 << 16)
+                buffer, open_ = buffer + data, bool(data)
+            elif not open_:
+                time.sleep(0.05)
+            pid, wait_status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                status = wait_status
+            elif time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+        while open_ and select.select([self.fd], [], [], 0)[0]:  # what it said just before it died
             data = os.read(self.fd, 1 << 16)
-            if not data:
-                break
-            buffer += data
-        else:
-            os.kill(self.pid, signal.SIGKILL)
+            buffer, open_ = buffer + data, bool(data)
         os.close(self.fd)
         self.lines = [line for line in buffer.decode().splitlines() if line.strip()]
-        return os.waitpid(self.pid, 0)[1]
+        return status
 
 
 def settle() -> list[str]:
