@@ -22,11 +22,12 @@ it execs from then on inherits, whenever it starts and whoever started it:
 
 - the watchdog runs in its own session, so a signal to the trainer's process group does not take it
   down first; every `poll_s` it records the trainer's descendants (pid + start time, via psutil);
-- once the trainer is gone (its parent pid changes), it SIGKILLs the recorded processes still alive
-  (start time checked, so a recycled pid is never hit) and every process whose environment carries the
-  trainer's mark (found even when it started an instant before the trainer died and was never
-  sampled), giving resource trackers a moment to exit by themselves first so they can clean up what
-  they track; then it exits.
+- once the trainer is gone (its parent pid changes, or it died before the watchdog started), it SIGKILLs
+  the recorded processes still alive (start time checked, so a recycled pid is never hit) and every
+  process whose environment carries the trainer's mark (found even when it started an instant before
+  the trainer died and was never sampled; looked for again for RESCANS x RESCAN_S, as a helper being
+  spawned carries the mark only once exec'd), giving resource trackers a moment to exit by themselves
+  first so they can clean up what they track; then it exits.
 
 Run by hand: python megatron_rl/child_reaper.py PID [POLL_S [MARK]].
 """
@@ -45,6 +46,7 @@ from typing import Optional
 _REAPER: Optional[subprocess.Popen] = None
 POLL_S = 0.5
 TRACKER_GRACE_S = 2.0
+RESCANS, RESCAN_S = 10, 0.2
 PR_SET_PDEATHSIG = 1
 TRAINER_MARK_ENV = "MEGATRON_RL_TRAINER_MARK"
 """Environment variable marking the processes a guarded trainer execs (value: its pid:start time)."""
@@ -140,9 +142,9 @@ def _watch(trainer_pid: int, poll_s: float, mark: Optional[str] = None) -> None:
     seen: dict[int, float] = {}
     try:
         trainer = psutil.Process(trainer_pid)
-    except psutil.NoSuchProcess:
-        return
-    while os.getppid() == trainer_pid:
+    except psutil.NoSuchProcess:  # it died before this watchdog got here: only its mark finds what it started
+        trainer = None
+    while trainer is not None and os.getppid() == trainer_pid:
         try:
             for child in trainer.children(recursive=True):
                 if child.pid != me and child.pid not in seen:
@@ -150,16 +152,25 @@ def _watch(trainer_pid: int, poll_s: float, mark: Optional[str] = None) -> None:
         except psutil.Error:  # the trainer died during the scan
             break
         time.sleep(poll_s)
-    survivors = {}
+    survivors = []
     for pid, started in seen.items():
         try:
             proc = psutil.Process(pid)
             if proc.create_time() == started:
-                survivors[pid] = proc
+                survivors.append(proc)
         except psutil.Error:
             continue
-    if mark:
-        survivors.update({p.pid: p for p in marked_processes(mark)})
+    _kill(survivors + (marked_processes(mark) if mark else []))
+    # a helper the trainer was spawning as it died carries the mark only once exec'd: look again for a while
+    for _ in range(RESCANS if mark else 0):
+        time.sleep(RESCAN_S)
+        _kill(marked_processes(mark))
+
+
+def _kill(procs: list) -> None:
+    """SIGKILL `procs`, giving multiprocessing resource trackers TRACKER_GRACE_S to exit by themselves first
+    (one exits, cleaning up what it tracks, once every holder of its pipe is gone)."""
+    import psutil
 
     def is_tracker(proc) -> bool:
         try:
@@ -167,14 +178,13 @@ def _watch(trainer_pid: int, poll_s: float, mark: Optional[str] = None) -> None:
         except psutil.Error:
             return False
 
-    trackers = [p for p in survivors.values() if is_tracker(p)]
-    for proc in survivors.values():
+    trackers = [p for p in procs if is_tracker(p)]
+    for proc in procs:
         if proc not in trackers:
             try:
                 proc.kill()
             except psutil.Error:
                 pass
-    # a resource tracker exits by itself (cleaning up) once every holder of its pipe is gone
     _, alive = psutil.wait_procs(trackers, timeout=TRACKER_GRACE_S)
     for proc in alive:
         try:
