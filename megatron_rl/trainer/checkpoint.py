@@ -334,8 +334,8 @@ def reject_checkpoints(ckpt_root: str | os.PathLike, first_step: int, reason: st
         target, n = path.with_name(REJECTED_PREFIX + path.name), 1
         while target.exists():
             target, n = path.with_name(f"{REJECTED_PREFIX}{path.name}.{n}"), n + 1
-        _atomic_write_bytes(path / REJECTED_MARKER, (reason.strip() + "\n").encode())
-        os.replace(path, target)
+        os.replace(path, target)  # first: once renamed it is never loaded, whatever happens next
+        _atomic_write_bytes(target / REJECTED_MARKER, (reason.strip() + "\n").encode())
         moved.append(str(target))
     if moved:
         _fsync_dir(Path(ckpt_root))
