@@ -27,10 +27,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, applied in order")
 
 
-def _load(args):
+def _load(args, check_layout: bool = True):
     from megatron_rl.config import load_config
 
-    return load_config(args.config, args.overrides)
+    return load_config(args.config, args.overrides, check_layout=check_layout)
 
 
 def cmd_train(args) -> int:
@@ -43,13 +43,15 @@ def cmd_train(args) -> int:
 
 def cmd_sft(args) -> int:
     """Supervised warm start only."""
-    from megatron_rl.parallel import state
-    from megatron_rl.runtime import load_datasets
-    from megatron_rl.warm_start import ensure_warm_start
-
     from megatron_rl.config.run import check_config_for_world
+    from megatron_rl.parallel import state
+    from megatron_rl.runtime import check_data_paths, load_datasets, read_data_before_writing
+    from megatron_rl.warm_start import check_model_sources, ensure_warm_start
 
     cfg = _load(args)
+    check_data_paths(cfg)
+    check_model_sources(cfg, Path(cfg.run_dir))
+    read_data_before_writing(cfg)
     state.init_distributed(cfg.parallel, cfg.train.seed)
     check_config_for_world(cfg, state.dp_size())
     run_dir = Path(cfg.run_dir)
@@ -153,7 +155,7 @@ def cmd_plan(args) -> int:
     """Check a config's layout against an allocation and estimate memory, traffic and step time (megatron_rl/plan)."""
     from megatron_rl.plan.report import run
 
-    return run(_load(args), args, title=args.config or "")
+    return run(_load(args, check_layout=False), args, title=args.config or "")  # plan names each layout problem by code
 
 
 def cmd_study(args) -> int:

@@ -15,10 +15,10 @@ from megatron_rl.algo.metrics import add_sums, finalize_metrics
 from megatron_rl.config import RunConfig
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import broadcast_from_controller, reduce_loss_sums
-from megatron_rl.phases import batching, health, logprobs, overlap, placement, reward, rollout, weights
+from megatron_rl.phases import batching, health, logprobs, overlap, placement, reward, rollback, rollout, weights
 from megatron_rl.phases.calibrate import StepCalibration
 from megatron_rl.phases.loss import RLLoss, with_sequence_rollout_weights
-from megatron_rl.runtime import RunSession, checkpoint_root, finished_run, open_session, save
+from megatron_rl.runtime import RunSession, finished_run, open_session, save
 from megatron_rl.tracking import MetricsWriter, Timers
 from megatron_rl.tracking.report import Progress, write_run_report
 from megatron_rl.tracking.wandb_sink import open_sinks
@@ -56,8 +56,9 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
     """Old log-probs (+ shadow rows), PPO epochs over mini-batches at the plan's bounds, the step's calibration; finalized metrics."""
     cfg, learner, mbs = session.cfg, session.learner, session.cfg.train.micro_batch_size
     plan = CalibrationPlan.build(step, cfg.algo.calibration, cfg.train, batch.batch_size)
+    probed = health.probe_rows(learner, mbs) if cfg.train.health.check_updated_policy else None
     with timers("logprobs"):
-        batch, metrics = logprobs.old_logprobs(learner, batch, mbs, plan=plan, reference=session.reference)
+        batch, metrics = logprobs.old_logprobs(learner, batch, mbs, plan=plan, reference=session.reference, probe_rows=probed)
         batch = with_sequence_rollout_weights(batch, cfg.algo)
     calib = StepCalibration(session.clipper, plan, cfg, session.run_dir)
     sums, learner_metrics = None, {}
@@ -97,7 +98,7 @@ def run(cfg: RunConfig) -> dict:
         weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step)
         eval_before = session.rl_state.get("eval_before", evaluate(session)) if session.start_step else evaluate(session)
         progress = Progress(cfg.train.steps, session.start_step, enabled=is_controller and cfg.tracking.progress_bar)
-        verdict = health.Verdict(ok=True)
+        verdict, served = health.Verdict(ok=True), session.start_step  # served: the weight version the engines hold
         for step in range(session.start_step, cfg.train.steps):
             batch, metrics, shown = rollouts.batch(step, timers)
             rollouts.prefetch(step + 1, cfg.train.steps)  # one_step_off: step+1 generates (weights v=step) while this step trains
@@ -105,22 +106,22 @@ def run(cfg: RunConfig) -> dict:
             batch = broadcast_from_controller(batch)
             metrics.update(train_on_batch(session, batch, step, timers))
             with timers("health"):
-                verdict = session.health.check(session.learner, batch, cfg.train.micro_batch_size, metrics, step,
-                                               checkpoint_root(session))
+                verdict = session.health.check(session.learner, batch, cfg.train.micro_batch_size, metrics, step)
                 metrics.update(verdict.metrics)
             metrics.update(rollouts.settle(timers))  # generation ahead ends before the engines' weights change
             memory.resume(timers)  # colocated: engines take their memory (last synced weights) back
             if verdict.ok:  # an unhealthy step's weights never reach the engines
                 with timers("weight_sync"):
                     metrics.update(weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=step + 1))
+                served = step + 1
             if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
                 metrics["accuracy/eval"] = evaluate(session)
             metrics.update(timers.pop())
             if is_controller:
                 writer.write(step, {**metrics, "samples": [s.response_text for s in shown]})
                 progress.update(metrics)
-            if verdict.stop:
-                raise health.TrainingHealthError(verdict.stop)
+            if verdict.stop:  # condemned weights that already left the learner are taken back (phases/rollback.py)
+                raise health.TrainingHealthError(rollback.after_stop(session, verdict, served))
             if verdict.ok and cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 and step + 1 < cfg.train.steps:
                 with memory.learner_resident(timers):
                     save(session, step, {"eval_before": eval_before, **rollouts.state_dict()})

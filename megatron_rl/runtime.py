@@ -145,6 +145,31 @@ def load_datasets(cfg: RunConfig, run_dir: Path):
     return tokenizer, train, evals
 
 
+def read_data_before_writing(cfg: RunConfig):
+    """Read and check the user's data files while nothing is written yet; the rows when every file is given.
+
+    A bad line, byte or character is then a DataFormatError naming file:line before the run directory
+    exists. When the tokenizer or some prompts are generated, the user's files are checked against a
+    copy generated in a temporary directory (None is returned: the run reads them again beside the
+    generated files it writes into <run_dir>/data).
+    """
+    import tempfile
+
+    from megatron_rl.data.jsonl import DataFormatError
+
+    d = cfg.data
+    if not needs_task_data(cfg):
+        return load_datasets(cfg, Path(cfg.run_dir))  # nothing is generated, so nothing is written
+    if d.train_file is None and d.eval_file is None and d.tokenizer_dir is None:
+        return None  # everything is generated: nothing of the user's to check
+    with tempfile.TemporaryDirectory(prefix="megatron_rl_data_check_") as tmp:
+        try:
+            load_datasets(cfg, Path(tmp))
+        except DataFormatError as exc:  # name the generated files where the run will write them
+            raise DataFormatError(str(exc).replace(str(Path(tmp)), str(Path(cfg.run_dir) / "data"))) from None
+    return None
+
+
 def make_clipper(cfg: RunConfig) -> Optional[CalibratedClipper]:
     """The calibrated clipper when algo.calibration.enabled (RunConfig has checked there is an off-policy update to calibrate on)."""
     return clipper_for(cfg.algo)
@@ -221,13 +246,16 @@ def check_rollout_engines(cfg: RunConfig) -> None:
 def open_session(cfg: RunConfig) -> RunSession:
     """Build the whole run; resumes from the newest checkpoint of run_dir when cfg.checkpoint.resume."""
     from megatron_rl.trainer.learner import Learner
-    from megatron_rl.warm_start import ensure_warm_start, initialize_learner, model_vocab_size, needs_warm_start
+    from megatron_rl.warm_start import (check_model_sources, ensure_warm_start, initialize_learner, model_vocab_size,
+                                        needs_warm_start)
 
     started = time.perf_counter()
     run_dir = Path(cfg.run_dir)
-    # The user's data files are read and checked before any distributed or model work (errors within seconds).
+    # Paths, the starting weights' architecture and the user's data files are checked before any distributed or
+    # model work (errors within seconds) and before anything is written (a bad input leaves nothing behind).
     check_data_paths(cfg)
-    given_data = None if needs_task_data(cfg) else load_datasets(cfg, run_dir)
+    check_model_sources(cfg, run_dir)
+    given_data = read_data_before_writing(cfg)
     state.init_distributed(cfg.parallel, cfg.train.seed)
     check_config_for_world(cfg, state.dp_size(), sft=needs_warm_start(cfg, run_dir))
     seed_everything(cfg.train.seed)
@@ -245,7 +273,8 @@ def open_session(cfg: RunConfig) -> RunSession:
     session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                          reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir,
                          prompts=PromptStream(train_rows, cfg.data.seed),
-                         health=HealthGuard(cfg.train.health, learner.arch.vocab_size, cfg.train.ppo_epochs * cfg.train.num_minibatches),
+                         health=HealthGuard(cfg.train.health, learner.arch.vocab_size, cfg.train.ppo_epochs * cfg.train.num_minibatches,
+                                            rollout_lag=1 if cfg.rollout.overlap == "one_step_off" else 0),
                          started=started)
     if cfg.algo.kl.coef > 0:
         from megatron_rl.phases.logprobs import ReferencePolicy
@@ -333,4 +362,14 @@ def save(session: RunSession, step: int, extra: dict) -> None:
     rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None,
                 "prompt_cursor": session.prompts.cursor, "health": session.health.state_dict(),
                 "wall_s": session.wall_time(), "sessions": session.sessions(), **extra}
-    save_checkpoint(session.learner, checkpoint_root(session), step, rl_state, keep_last=session.cfg.checkpoint.keep_last)
+    save_checkpoint(session.learner, checkpoint_root(session), step, rl_state, keep_last=session.cfg.checkpoint.keep_last,
+                    protect=vouched_checkpoint(session))
+
+
+def vouched_checkpoint(session: RunSession) -> Optional[str]:
+    """The newest checkpoint whose weights' own rollouts passed the health checks (retention keeps it: a later stop may
+    condemn every newer one); meaningful on the controller, which judges."""
+    from megatron_rl.trainer.checkpoint import list_checkpoints
+
+    vouched = [path for step, path in list_checkpoints(checkpoint_root(session)) if step + 1 <= session.health.vouched_version]
+    return str(vouched[-1]) if vouched else None

@@ -29,6 +29,73 @@ def needs_warm_start(cfg: RunConfig, run_dir: Path) -> bool:
                                                  or (out / "model.safetensors.index.json").exists())
 
 
+def check_model_sources(cfg: RunConfig, run_dir: Path) -> None:
+    """ConfigError naming the field, before anything is written, when the weights the run starts from cannot be used.
+
+    model.init_checkpoint must be an HF directory (config.json) or a megatron_rl distributed checkpoint; it, or
+    the warm start an earlier run left in sft.output_dir (default <run_dir>/sft), must hold the architecture of
+    the model section (else loading fails deep in the weight mapping with a bare shape error); and the learner
+    layout must split that architecture (`megatron-rl plan`'s checks, now with the checkpoint's vocabulary).
+    """
+    from megatron_rl.config import ConfigError
+
+    if cfg.model.init_checkpoint:
+        path = Path(cfg.model.init_checkpoint)
+        label = f"model.init_checkpoint={path}"
+        if not path.exists():
+            raise ConfigError(f"model.init_checkpoint={path}: no such file or directory")
+        if not (path / "config.json").exists() and not is_megatron_checkpoint(path):
+            raise ConfigError(f"model.init_checkpoint={path} is neither an HF directory (no config.json) nor a "
+                              "megatron_rl distributed checkpoint (no step_<N> directory with a COMPLETE marker)")
+    elif not needs_warm_start(cfg, run_dir):
+        path = sft_dir(cfg, run_dir) / "hf"
+        label = f"sft.output_dir={sft_dir(cfg, run_dir)}{'' if cfg.sft.output_dir else ' (default <run_dir>/sft)'}: its warm start {path}"
+    else:
+        return  # the warm start is trained from the model section itself
+    theirs = source_architecture(path, label)
+    ours = _model_architecture(cfg, theirs.vocab_size)
+    from megatron_rl.models.hf_arch import architecture_differences
+
+    diff = architecture_differences(theirs, ours)
+    if diff:
+        from megatron_rl.config.model import ModelConfig
+
+        parts = [f"{k}={a} there but {b} here ({f'model.{k}' if k in ModelConfig.model_fields else f'model.preset={cfg.model.preset}'})"
+                 for k, (a, b) in diff.items()]
+        raise ConfigError(f"{label} holds another architecture than the model section: {'; '.join(parts)}")
+    from megatron_rl.config.run import layout_errors
+
+    errors = layout_errors(cfg, ours)
+    if errors:
+        raise ConfigError(f"invalid layout for {label}: " + "; ".join(errors))
+
+
+def source_architecture(path: Path, label: str):
+    """The Architecture of an HF directory (config.json) or a megatron_rl checkpoint; ConfigError starting with `label` when unreadable."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.models.hf_arch import architecture_from_hf, read_hf_config
+
+    try:
+        if (path / "config.json").exists():
+            return architecture_from_hf(read_hf_config(path))
+        from megatron_rl.trainer.checkpoint_reader import checkpoint_architecture
+
+        return checkpoint_architecture(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+
+
+def _model_architecture(cfg: RunConfig, vocab_size: int):
+    """The learner's architecture for a checkpoint with `vocab_size` embedding rows (ConfigError for a bad model section)."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.models.presets import resolve_architecture
+
+    try:
+        return resolve_architecture(cfg.model, vocab_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def ensure_warm_start(cfg: RunConfig, run_dir: Path, tokenizer, train_rows) -> str:
     """The HF directory the run starts from (running the SFT warm start first if needed)."""
     if cfg.model.init_checkpoint:
@@ -72,7 +139,9 @@ def model_vocab_size(init_dir: str, tokenizer) -> int:
     else:
         return len(tokenizer)
     if rows < len(tokenizer):
-        raise ValueError(f"model.init_checkpoint={init_dir} has {rows} embedding rows, fewer than the tokenizer's "
+        from megatron_rl.config import ConfigError
+
+        raise ConfigError(f"model.init_checkpoint={init_dir} has {rows} embedding rows, fewer than the tokenizer's "
                          f"{len(tokenizer)} tokens (data.tokenizer_dir): they belong to different models")
     return rows
 

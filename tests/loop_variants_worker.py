@@ -3,10 +3,12 @@
     python tests/loop_variants_worker.py WARM_DIR OUT_DIR CASE [CASE ...]
 
 CASE is `name:override,override,...` (dotted overrides of the tiny run); a name starting with `nan`
-also poisons the RL loss with NaN on step 1's first mini-batch update (a test hook, patched here).
-Each case runs `megatron_rl.loop.run` with its run directory at OUT_DIR/<name> and writes
-OUT_DIR/<name>.result.json ({"ok": true} or {"error": "..."}). One process and one engine for all
-cases keeps the start-up cost (imports, engine model load) to a single time.
+also poisons the RL loss with NaN on step 1's first mini-batch update, and `dropK` scores every sample
+1 + 0.1 x its real reward before step K's rollouts and 0 from them on (test hooks, patched here); `A+B` runs
+in A's run directory (a resume of A). Each case runs `megatron_rl.loop.run` with its run directory at
+OUT_DIR/<name> and writes OUT_DIR/<name>.result.json ({"ok": true} or {"error": "..."}, and the weight
+version the engine serves, the checkpoint directories and the logged steps afterwards). One process and one engine for all cases keeps the start-up cost
+(imports, engine model load) to a single time.
 """
 from __future__ import annotations
 
@@ -54,6 +56,53 @@ def poison_step_one():
     return undo
 
 
+def rewards_drop_at(first_step: int):
+    """Score 1 + 0.1 x the real reward before `first_step`'s rollouts (a spread to learn from, never a drop of 0.9) and
+    0 from them on; returns the undo function."""
+    import threading
+
+    from megatron_rl import loop
+    from megatron_rl.phases import reward
+
+    original_rollout, original_score = loop.controller_rollout, reward.score
+    current = threading.local()  # under one_step_off the next step's rollout runs in a generation thread
+
+    def controller_rollout(session, step, timers):
+        current.step = step
+        return original_rollout(session, step, timers)
+
+    def score(batch, reward_fn, algo, max_new_tokens):
+        def shifted(text, answer):
+            value, correct = reward_fn(text, answer)
+            return (1.0 + 0.1 * float(value), correct) if current.step < first_step else (0.0, False)
+
+        return original_score(batch, shifted, algo, max_new_tokens)
+
+    loop.controller_rollout, reward.score = controller_rollout, score
+
+    def undo() -> None:
+        loop.controller_rollout, reward.score = original_rollout, original_score
+
+    return undo
+
+
+def _hook(name: str):
+    """The test hook a case name asks for (see the module docstring); returns its undo function."""
+    if name.startswith("nan"):
+        return poison_step_one()
+    if name.startswith("drop"):
+        return rewards_drop_at(int("".join(ch for ch in name[4:] if ch.isdigit())))
+    return lambda: None
+
+
+def served_version(url: str) -> str:
+    """The weight version the engine at `url` serves."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/get_weight_version", timeout=30) as response:
+        return str(json.loads(response.read())["weight_version"])
+
+
 def main() -> None:
     """Run every case against one ThreadedServer."""
     from megatron_rl.config import load_config
@@ -64,8 +113,9 @@ def main() -> None:
     with ThreadedServer(str(warm / "sft" / "hf"), str(warm / "sft" / "hf")) as server:
         for case in sys.argv[3:]:
             name, _, extra = case.partition(":")
-            undo = poison_step_one() if name.startswith("nan") else (lambda: None)
-            overrides = tiny_overrides(warm, *FAST, f"run_dir={out / name}", "rollout.engine=external",
+            run_name = name.split("+")[0]
+            undo = _hook(name) if "+" not in name else (lambda: None)
+            overrides = tiny_overrides(warm, *FAST, f"run_dir={out / run_name}", "rollout.engine=external",
                                        f"rollout.urls=[{server.url}]", *[o for o in extra.split(",") if o])
             try:
                 run(load_config(CONFIG, overrides))
@@ -74,6 +124,12 @@ def main() -> None:
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
                 undo()
+            # what the case left, before a later case (a resume) changes the run directory
+            result["served_version"] = served_version(server.url)
+            ckpts = out / run_name / "checkpoints"
+            result["checkpoints"] = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
+            metrics = out / run_name / "metrics.jsonl"
+            result["steps"] = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
             (out / f"{name}.result.json").write_text(json.dumps(result))
 
 

@@ -1,6 +1,7 @@
-"""The RL loop under every loss aggregation mode, DAPO dynamic sampling, and a NaN injected mid-run, each a tiny
-2-3 step run (high precision, no calibration) in one worker process against one in-process engine
-(tests/loop_variants_worker.py)."""
+"""The RL loop under every loss aggregation mode, DAPO dynamic sampling, a NaN injected mid-run, and the health
+stops (overflow, collapse toward uniform and toward deterministic, a reward drop judged against the weights that
+generated the rewards, sync and one_step_off, then a resume), each a tiny run of a few steps (high precision, no
+calibration) in one worker process against one in-process engine (tests/loop_variants_worker.py)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ from megatron_rl.trainer.checkpoint import list_checkpoints
 WORKER = Path(__file__).with_name("loop_variants_worker.py")
 AGG = AGG_MODES.names()
 DAPO = "algo.dapo.dynamic_sampling=true,algo.policy_loss.eps_high=0.28"
+DROP = "train.health.reward_drop=0.9,train.health.window=1"  # the dropK hook: rewards in [1, 1.1] before step K, 0 from it
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,11 @@ def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("variants")
     cases = [f"agg_{m}:algo.policy_loss.agg_mode={m}" for m in AGG] + [f"dapo:{DAPO}", "nan:train.steps=3",
                                                                         "overflow:optim.lr=1e20,train.steps=5",
-                                                                        "collapse:optim.lr=1e3,train.steps=3"]
+                                                                        "collapse:optim.lr=1e3,train.steps=3",
+                                                                        "lr1:optim.lr=1.0,train.steps=3",
+                                                                        f"drop3:{DROP},train.steps=6",
+                                                                        f"drop4off:{DROP},train.steps=6,rollout.overlap=one_step_off",
+                                                                        "drop4off+resume:train.steps=3,rollout.overlap=one_step_off"]
     proc = subprocess.run([sys.executable, str(WORKER), str(warm), str(out), *cases], env=cli_env(), capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -37,7 +43,7 @@ def runs(tmp_path_factory) -> Path:
 
 def _rows(runs: Path, name: str) -> list[dict]:
     result = json.loads((runs / f"{name}.result.json").read_text())
-    assert result == {"ok": True}, f"{name}: {result}"
+    assert result.get("ok") is True, f"{name}: {result}"
     return read_rows(runs / name)
 
 
@@ -89,6 +95,16 @@ def _stopped(runs: Path, name: str) -> tuple[str, list[dict]]:
     return result["error"], read_rows(runs / name)
 
 
+def _after(runs: Path, name: str) -> dict:
+    """What case `name` left: served_version, checkpoints (directory names), steps (logged), before later cases ran."""
+    return json.loads((runs / f"{name}.result.json").read_text())
+
+
+def _steps(runs: Path, name: str, prefix: str = "step_") -> list[int]:
+    """Steps of the checkpoint directories case `name` left whose names start with `prefix` (complete or set aside)."""
+    return [int(d.rsplit("_", 1)[1]) for d in _after(runs, name)["checkpoints"] if d.startswith(prefix)]
+
+
 @pytest.mark.slow
 def test_overflowing_lr_never_syncs_broken_weights_and_stops_after_consecutive_skips(runs):
     error, rows = _stopped(runs, "overflow")
@@ -106,3 +122,49 @@ def test_policy_collapsed_to_uniform_is_caught_before_its_weights_leave(runs):
     last = rows[-1]
     assert last["health/entropy_frac"] > 0.9 and last["health/step_skipped"] == 0.0 and "sync/bytes" not in last
     assert [step for step, _ in list_checkpoints(runs / "collapse" / "checkpoints")] == list(range(len(rows) - 1))
+
+
+@pytest.mark.slow
+def test_collapse_toward_deterministic_stops_before_the_weights_leave(runs):
+    """optim.lr=1.0 from the warm start: the first update drives the entropy to ~0; caught by the probe at step 0."""
+    error, rows = _stopped(runs, "lr1")
+    assert error.startswith("TrainingHealthError: training stopped at step 0: policy entropy fell from"), error
+    assert "train.health.collapse_step_entropy_frac=0.02" in error and "newest checkpoint: none" in error
+    assert [r["step"] for r in rows] == [0] and "sync/bytes" not in rows[0]
+    assert rows[0]["health/probe_entropy"] < 0.02 * rows[0]["health/probe_entropy_before"]
+    assert not list_checkpoints(runs / "lr1" / "checkpoints") and _after(runs, "lr1")["served_version"] == "0"
+
+
+@pytest.mark.slow
+def test_reward_drop_condemns_the_weights_that_generated_the_rewards(runs):
+    """Step 3's rollouts (version 3, the weights after step 2) score 0: the stop sets checkpoint step_2 aside, leaves
+    step_1 (version 2, whose rollouts at step 2 scored) as the newest, and the engine serves version 2 again."""
+    error, rows = _stopped(runs, "drop3")
+    assert error.startswith("TrainingHealthError: training stopped at step 3: train reward collapsed"), error
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[3]["rollout/weight_version"] == 3
+    assert "weights from version 3 on (after step 2) are condemned" in error and "rejected_step_00000002" in error
+    assert _steps(runs, "drop3") == [1] and _steps(runs, "drop3", "rejected_step_") == [2]
+    reason = (runs / "drop3" / "checkpoints" / "rejected_step_00000002" / "REJECTED").read_text()
+    assert reason.startswith("training stopped at step 3") and "reward_drop=0.9" in reason
+    assert f"newest checkpoint: {runs / 'drop3' / 'checkpoints' / 'step_00000001'}" in error
+    assert "the engines serve version 2 again" in error and _after(runs, "drop3")["served_version"] == "2"
+
+
+@pytest.mark.slow
+def test_one_step_off_reward_drop_keeps_the_vouched_checkpoint_and_resumes_from_it(runs):
+    """one_step_off: step 4 trains on rollouts of version 3 (generated while step 3 trained), which score 0. Versions 3
+    and 4 (checkpoints step_2, step_3) are condemned; retention had kept step_1 (version 2, vouched by step 3's rollouts)
+    beside keep_last=2, so it is the newest, and a resume starts from it."""
+    stopped = _after(runs, "drop4off")
+    assert "error" in stopped and stopped["steps"] == [0, 1, 2, 3, 4]
+    error = stopped["error"]
+    assert error.startswith("TrainingHealthError: training stopped at step 4: train reward collapsed"), error
+    assert "weights from version 3 on (after step 2) are condemned" in error, error
+    assert _steps(runs, "drop4off") == [1] and _steps(runs, "drop4off", "rejected_step_") == [2, 3]
+    assert "the engines serve version 2 again" in error and stopped["served_version"] == "2"
+    resumed = _after(runs, "drop4off+resume")
+    assert resumed.get("ok") is True, resumed
+    rows = read_rows(runs / "drop4off")
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 2 retrained from step_1's weights and its saved batch
+    assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1] and resumed["served_version"] == "3"
+    assert _steps(runs, "drop4off+resume") == [1, 2]

@@ -60,9 +60,9 @@ def eps_of(run_dir: Path) -> tuple[float, float]:
     path = run_dir / "config.yaml"
     if not path.exists():
         return 0.2, 0.2
-    import yaml
+    from megatron_rl.config.yaml_io import load_yaml_file
 
-    p = (yaml.safe_load(path.read_text()) or {}).get("algo", {}).get("policy_loss", {})
+    p = (load_yaml_file(path) or {}).get("algo", {}).get("policy_loss", {})
     return float(p.get("eps_low", 0.2)), float(p.get("eps_high", 0.2))
 
 

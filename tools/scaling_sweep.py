@@ -96,7 +96,7 @@ def main(argv=None) -> int:
 
     out = Path(args.out).resolve()
     (out / "jobs").mkdir(parents=True, exist_ok=True)
-    base = load_config(args.config, args.overrides)
+    base = load_config(args.config, args.overrides, check_layout=False)
     cells, lines = [], []
     for nodes in args.nodes:
         for layout in args.layouts:
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                 overrides = [*args.overrides, *layout_overrides(layout), *precision_overrides(prec, base.precision.recipe),
                              f"train.steps={args.steps}", f"run_dir={run_dir}", "checkpoint.resume=false",
                              "tracking.progress_bar=false"]
-                cfg = load_config(args.config, overrides)
+                cfg = load_config(args.config, overrides, check_layout=False)
                 plan = make_plan(cfg, nodes, args.gpus_per_node, args.gpu,
                                  PlanOptions(prompt_tokens=args.prompt_tokens, mfu=args.mfu, engine_nodes=args.engine_nodes))
                 cell = {"name": name, "nodes": nodes, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu,

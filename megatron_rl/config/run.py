@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import yaml
-from pydantic import BaseModel, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError, ValidationInfo, model_validator
 
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.config.base import StrictConfig
@@ -23,6 +23,7 @@ from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.train import CheckpointConfig, SftConfig, TrackingConfig, TrainConfig
+from megatron_rl.config.yaml_io import YAMLInputError, load_yaml, load_yaml_file
 
 
 class ConfigError(ValueError):
@@ -58,18 +59,20 @@ class RunConfig(StrictConfig):
     """Metrics outputs."""
 
     @model_validator(mode="after")
-    def _check_across_sections(self) -> "RunConfig":
-        for message in config_errors(self, dp_size=1):
-            raise ValueError(message)
+    def _check_across_sections(self, info: ValidationInfo) -> "RunConfig":
+        errors = config_errors(self, dp_size=1, layout=(info.context or {}).get("check_layout", True))
+        if errors:
+            raise ValueError("; ".join(errors))
         return self
 
 
-def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True) -> list[str]:
+def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool = True) -> list[str]:
     """Cross-section problems of `cfg` for a data-parallel size, each naming its dotted fields ([] when usable).
 
     Load time checks DP = 1 (the world size is not known yet); the run checks again with the real
     DP size right after the process groups exist, before any data or model work (`sft=False` when
-    the supervised warm start will not run, so its batch geometry does not matter).
+    the supervised warm start will not run, so its batch geometry does not matter). `layout=False`
+    leaves out the TP/PP split of the model (`megatron-rl plan` reports those problems by code).
     """
     t, s, p = cfg.train, cfg.sft, cfg.parallel
     out = []
@@ -98,9 +101,30 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True) -> list[str]:
         # the first update of a step is on-policy (ratio 1 in high precision): nothing to calibrate on
         out.append(f"algo.calibration.enabled needs an off-policy update: train.num_minibatches * train.ppo_epochs "
                    f"= {t.num_minibatches} * {t.ppo_epochs} = {updates}, must be >= 2")
+    if layout:
+        out.extend(layout_errors(cfg))
     if t.health.max_kl_ref is not None and cfg.algo.kl.coef == 0:
         out.append("train.health.max_kl_ref needs the reference policy: set algo.kl.coef > 0 or unset train.health.max_kl_ref")
     return out
+
+
+def layout_errors(cfg: RunConfig, arch=None) -> list[str]:
+    """TP / PP x VPP against the model (heads, query groups, FFN, vocabulary, layers): `megatron-rl plan`'s own checks.
+
+    `arch` is the learner's architecture when known (the init checkpoint's vocabulary); by default the
+    model section's (preset + overrides), which is what `megatron-rl config` and `plan` see.
+    """
+    from megatron_rl.models.presets import resolve_architecture
+    from megatron_rl.plan.checks import architecture_checks
+
+    p = cfg.parallel
+    if arch is None:
+        try:
+            arch = resolve_architecture(cfg.model)
+        except ValueError as exc:  # an unknown preset or inconsistent overrides: reported as such
+            return [str(exc)]
+    return [f.message for f in architecture_checks(arch, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                                   p.virtual_pipeline_model_parallel_size) if f.level == "error"]
 
 
 def check_config_for_world(cfg: RunConfig, dp_size: int, sft: bool = True) -> None:
@@ -151,8 +175,9 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
             near = suggest_keys(loc)
             msg = "unknown key" + (f" (did you mean {' or '.join(near)}?)" if near else "")
         got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and not isinstance(err["input"], dict) else ""
-        lines.append((f"  {loc}: {msg}" if loc else f"  {msg}") + got)
-    return f"invalid config ({source}):\n" + "\n".join(lines)
+        lines.append((f"{loc}: {msg}" if loc else msg) + got)
+    # one line, as every `error:` the CLI prints (several problems are separated by "; ")
+    return f"invalid config ({source}): " + "; ".join(" ".join(line.split()) for line in lines)
 
 
 def apply_override(tree: dict, override: str) -> None:
@@ -169,7 +194,10 @@ def apply_override(tree: dict, override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override '{override}': '{part}' is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[parts[-1]] = load_yaml(raw, f"override '{override}'") if raw.strip() else ""
+    except YAMLInputError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -186,9 +214,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if path.resolve() in seen:
         raise ConfigError(f"{path}: circular 'base:' chain")
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        loaded = load_yaml_file(path) or {}
+    except YAMLInputError as exc:
+        raise ConfigError(str(exc)) from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     base = loaded.pop("base", None)
@@ -199,8 +227,12 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return _deep_merge(_read_yaml(path.parent / base, seen + (path.resolve(),)), loaded)
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Build a RunConfig from an optional YAML file and dotted overrides (applied in order)."""
+def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = (), check_layout: bool = True) -> RunConfig:
+    """Build a RunConfig from an optional YAML file and dotted overrides (applied in order).
+
+    `check_layout=False` accepts a TP/PP layout that does not split the model (for `megatron-rl plan`, which
+    reports every problem of a layout by its code); everything else is checked.
+    """
     tree: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -213,7 +245,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()
     if overrides:
         source += " + overrides"
     try:
-        return RunConfig.model_validate(tree)
+        return RunConfig.model_validate(tree, context={"check_layout": check_layout})
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, source)) from None
 

@@ -15,8 +15,10 @@ class HealthConfig(StrictConfig):
     An optimizer update whose loss or gradient norm is non-finite on any rank is skipped on every
     rank. A step with a skipped update, or whose updated policy gives non-finite log-probs, is
     unhealthy: its weights are neither synced to the engines nor checkpointed. The run stops with
-    a one-line error after `max_consecutive_skips` unhealthy steps in a row, or when a divergence
-    signal below trips; the newest checkpoint is then the last one whose step passed every check.
+    a one-line error (exit code 3) after `max_consecutive_skips` unhealthy steps in a row, or when a
+    divergence or collapse signal below trips. Each signal condemns the weights its evidence came
+    from (rewards: the weights that generated the samples); checkpoints holding them are set aside,
+    so the newest checkpoint left holds weights whose own rollouts passed every check.
     """
 
     max_consecutive_skips: PositiveInt = 3
@@ -25,6 +27,12 @@ class HealthConfig(StrictConfig):
     """After a step's updates, one no-grad forward of the new policy on one micro-batch per DP rank: non-finite log-probs make the step unhealthy, and its entropy is judged before the weights reach the engines."""
     max_entropy_frac: Optional[float] = Field(0.9, gt=0, le=1, allow_inf_nan=False)
     """Stop when the policy's mean token entropy exceeds this fraction (in (0, 1]) of ln(vocab size), the entropy of a uniform policy (a collapsed policy sits at 1.0; healthy runs stay far below); None disables."""
+    collapse_step_entropy_frac: Optional[float] = Field(0.02, gt=0, lt=1, allow_inf_nan=False)
+    """Stop when one step's updates cut the policy's mean token entropy on the probe's tokens below this fraction (in (0, 1)) of its value before them: a collapse toward a deterministic policy, caught before the weights leave (needs check_updated_policy; None disables)."""
+    collapse_reward: Optional[float] = Field(0.0, ge=-1, le=1, allow_inf_nan=False)
+    """Stop when the step's mean train reward (in [-1, 1]; the rewards score 0 or 1) is at or below this after an earlier step scored above it while the policy's entropy on the step's samples is below collapse_entropy_frac of the run's highest: the policy collapsed onto wrong answers (None disables)."""
+    collapse_entropy_frac: float = Field(0.25, gt=0, lt=1, allow_inf_nan=False)
+    """With collapse_reward: the fraction (in (0, 1)) of the highest pre-update entropy of the run below which the policy counts as collapsed."""
     entropy_jump: Optional[float] = Field(None, gt=1, allow_inf_nan=False)
     """Stop when the step's entropy exceeds this multiple (> 1) of the mean entropy of the previous `window` healthy steps; None disables."""
     max_kl_ref: Optional[PositiveFloat] = None

@@ -218,14 +218,17 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = 
     with _LOAD_LOCK:
         if checkpoint_format(read_config(path)) is not None:  # FP8 rollout weights, in any registered format
             return load_quantized_model(path, dtype)
+        # ignore_mismatched_sizes: transformers then lists mis-shaped tensors in `info` (raised below, in strict mode,
+        # with their shapes) instead of raising a message that points at a report it only logged
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                           output_loading_info=True)
+                                                           output_loading_info=True, ignore_mismatched_sizes=strict)
     if strict:
         unexpected = set(info.get("unexpected_keys") or ())
         if getattr(model.config, "tie_word_embeddings", False):
             unexpected.discard("lm_head.weight")
         problems = {"missing": sorted(info.get("missing_keys") or ()), "unexpected": sorted(unexpected),
-                    "mismatched": sorted(str(k) for k in (info.get("mismatched_keys") or ()))}
+                    "mismatched": sorted(f"{k[0]} is {list(k[1])} in the checkpoint but {list(k[2])} by config.json"
+                                         if isinstance(k, tuple) else str(k) for k in (info.get("mismatched_keys") or ()))}
         problems = {k: v for k, v in problems.items() if v}
         if problems:
             detail = "; ".join(f"{k}: {', '.join(v[:8])}{' ...' if len(v) > 8 else ''}" for k, v in problems.items())

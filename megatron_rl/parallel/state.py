@@ -37,9 +37,11 @@ def check_world_size(parallel_cfg: ParallelConfig, world_size: int) -> int:
     """Data-parallel size for `world_size`; ValueError naming the fields when TP*PP*CP does not divide it."""
     mp = parallel_cfg.tensor_model_parallel_size * parallel_cfg.pipeline_model_parallel_size * parallel_cfg.context_parallel_size
     if world_size % mp != 0:
-        raise ValueError(
+        from megatron_rl.config import ConfigError  # a ValueError: one `error:` line from the CLI
+
+        raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size * "
-            f"pipeline_model_parallel_size * context_parallel_size = {mp}"
+            f"pipeline_model_parallel_size * context_parallel_size = {mp} (start a multiple of {mp} processes with torchrun)"
         )
     return world_size // mp
 

@@ -74,12 +74,20 @@ def _shadow_old_logprobs(learner, batch: TrainBatch, rows: list[int], micro_batc
 
 
 def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, plan: Optional[CalibrationPlan] = None,
-                 reference: Optional[ReferencePolicy] = None) -> tuple[TrainBatch, dict[str, float]]:
-    """Attach pi_old (learner precision), the high-precision shadow pi_old on the plan's shadow rows, and reference log-probs."""
+                 reference: Optional[ReferencePolicy] = None,
+                 probe_rows: Optional[int] = None) -> tuple[TrainBatch, dict[str, float]]:
+    """Attach pi_old (learner precision), the high-precision shadow pi_old on the plan's shadow rows, and reference log-probs.
+
+    With `probe_rows`, also the mean entropy of pi_old on the first `probe_rows` rows (health/probe_entropy_before):
+    the health probe's tokens before the step's updates.
+    """
     lp, ent = _global_forward(learner, batch, micro_batch_size)
     changes = {"old_logprobs": lp}
     mask = batch.loss_mask > 0
     metrics = {"entropy_old": float(ent[mask].mean()) if mask.any() else float("nan")}
+    if probe_rows is not None:
+        probed = mask[:probe_rows]
+        metrics["health/probe_entropy_before"] = float(ent[:probe_rows][probed].mean()) if probed.any() else float("nan")
     if plan is not None and plan.shadow:
         rows = list(plan.shadow_rows)
         lp_hp = _shadow_old_logprobs(learner, batch, rows, micro_batch_size)

@@ -68,12 +68,12 @@ def architecture_checks(arch: Architecture, tp: int, pp: int, vpp: int | None) -
                                ("ffn-not-divisible-by-tp", "ffn_hidden_size", arch.ffn_hidden_size),
                                ("vocab-not-divisible-by-tp", "vocab_size", arch.vocab_size)):
         if value % tp:
-            out.append(Finding(code, "error", f"model {field}={value} is not divisible by "
+            out.append(Finding(code, "error", f"model.{field}={value} is not divisible by "
                                               f"parallel.tensor_model_parallel_size={tp}"))
     stages = pp * (vpp or 1)
     if arch.num_layers % stages:
         out.append(Finding("layers-not-divisible-by-pipeline", "error",
-                           f"model num_layers={arch.num_layers} is not divisible by parallel.pipeline_model_parallel_size "
+                           f"model.num_layers={arch.num_layers} is not divisible by parallel.pipeline_model_parallel_size "
                            f"x virtual_pipeline_model_parallel_size = {pp} x {vpp or 1} = {stages}"))
     return out
 

@@ -115,4 +115,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("overrides", nargs="*")
     add_arguments(p)
     args = p.parse_args(argv)
-    return run(load_config(args.config, args.overrides), args, title=args.config)
+    return run(load_config(args.config, args.overrides, check_layout=False), args, title=args.config)

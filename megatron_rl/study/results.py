@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import yaml
+from megatron_rl.config.yaml_io import load_yaml_file
 
 CALIBRATION_ROW_KEYS = ("calib/solve_lower", "hp/clipfrac_lower_neg")
 """A metrics row is a calibration (shadow) step when one of these is a finite number."""
@@ -196,7 +196,7 @@ def collect(study, steps: int) -> list[RunRecord]:
             arm=arm, seed=seed, run_dir=run_dir, status=status, rows=read_rows(run_dir),
             evals={k: float(state[k]) for k in ("eval_before", "eval_after") if state and _finite(state.get(k))},
             wall_s=sum(float(a.get("wall_s", 0.0)) for a in attempts),
-            config=yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else None,
+            config=load_yaml_file(cfg_path) if cfg_path.exists() else None,
         ))
     return records
 

@@ -26,6 +26,7 @@ import yaml
 from megatron_rl.config.run import config_record
 from megatron_rl.cpu_kernels import pinned_env
 from megatron_rl.study import results
+from megatron_rl.config.yaml_io import load_yaml_file
 from megatron_rl.study.spec import Study, StudyError, as_overrides
 
 
@@ -92,7 +93,7 @@ def _check_warm_start_config(study: Study, cfg) -> None:
     record = study.warm_dir / WARM_START_RECORD
     now = yaml.safe_load(yaml.safe_dump(config_record(cfg), sort_keys=False))
     if record.exists():
-        diff = _diff(yaml.safe_load(record.read_text()), now)
+        diff = _diff(load_yaml_file(record), now)
         if diff:
             raise StudyError(f"{study.warm_dir} was made from a different config than {study.spec_path} now gives the warm "
                              f"start ({'; '.join(diff[:4])}); delete it or use another output_dir")
@@ -108,7 +109,7 @@ def check_existing_runs(study: Study, warm: list[str]) -> None:
         recorded = study.run_dir(arm, seed) / "config.yaml"
         if not recorded.exists():
             continue
-        old, new = yaml.safe_load(recorded.read_text()), yaml.safe_load(yaml.safe_dump(config_record(cfg), sort_keys=False))
+        old, new = load_yaml_file(recorded), yaml.safe_load(yaml.safe_dump(config_record(cfg), sort_keys=False))
         diff = _diff(old, new)
         if diff:
             raise StudyError(f"{recorded} was made with a different config than {study.spec_path} now gives arm {arm!r} "

@@ -21,11 +21,11 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from megatron_rl.config import ConfigError, RunConfig, load_config
 from megatron_rl.config.base import StrictConfig
+from megatron_rl.config.yaml_io import YAMLInputError, load_yaml_file
 
 SHARED_PREFIXES = ("model.", "data.", "sft.")
 """Arm overrides may not touch these sections: they define the warm start every arm shares."""
@@ -196,17 +196,17 @@ def load_study(path: str | Path) -> Study:
     if not path.is_file():
         raise StudyError(f"study spec not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise StudyError(f"{path}: not valid YAML: {exc}") from None
+        raw = load_yaml_file(path) or {}
+    except YAMLInputError as exc:
+        raise StudyError(str(exc)) from None
     try:
         spec = StudySpec.model_validate(raw)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-            lines.append(f"  {loc}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}")
-        raise StudyError(f"invalid study spec ({path}):\n" + "\n".join(lines)) from None
+            lines.append(f"{loc}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}")
+        raise StudyError(f"invalid study spec ({path}): " + "; ".join(" ".join(line.split()) for line in lines)) from None
     study = Study(spec, path)
     if not study.base.is_file():
         raise StudyError(f"{path}: base config not found: {study.base}")

@@ -31,7 +31,8 @@ between the regular and the distributed optimizer with ``load_optimizer=True`` (
 layouts differ; load with ``load_optimizer=False`` to keep only weights and the LR schedule).
 
 Public API: ``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint``, ``list_checkpoints``,
-``checkpoint_meta``, ``apply_retention``, ``capture_rng_state`` / ``restore_rng_state``. All of
+``checkpoint_meta``, ``apply_retention``, ``reject_checkpoints`` (weights a health check condemned: renamed
+``rejected_step_<N>``, never loaded again), ``capture_rng_state`` / ``restore_rng_state``. All of
 save/load are collectives: every learner rank calls them with the same arguments.
 
 Quirks of megatron-core 0.16.1 handled here (on the optimizer instance, during one load only):
@@ -269,7 +270,8 @@ def _write_shards(learner: Any, tmp: Path) -> bool:
 
     from megatron_rl.child_reaper import ensure_reaper
 
-    # megatron's writer starts a spawn Manager (+ resource tracker) that would outlive a killed trainer
+    # megatron's writer forks shard writers and starts a spawn Manager (+ resource tracker): none may outlive a
+    # killed trainer (the forks die with it, the watchdog kills the rest)
     ensure_reaper()
     distopt = bool(learner.parallel_cfg.use_distributed_optimizer)
     metadata = _sharding_metadata(distopt)
@@ -298,8 +300,10 @@ def _publish(tmp: Path, final: Path, meta: dict[str, Any], rl_state: dict) -> No
     _fsync_dir(final.parent)
 
 
-def apply_retention(ckpt_root: str | os.PathLike, keep_last: int, keep: Optional[str | os.PathLike] = None) -> list[str]:
-    """Delete all but the newest `keep_last` complete checkpoints and every stale temporary directory; returns removed paths."""
+def apply_retention(ckpt_root: str | os.PathLike, keep_last: int, keep: Optional[str | os.PathLike] = None,
+                    protect: Optional[str | os.PathLike] = None) -> list[str]:
+    """Delete all but the newest `keep_last` complete checkpoints (and `keep` / `protect`) and every stale temporary directory;
+    returns removed paths."""
     root = Path(ckpt_root)
     removed: list[str] = []
     if not root.is_dir():
@@ -307,17 +311,43 @@ def apply_retention(ckpt_root: str | os.PathLike, keep_last: int, keep: Optional
     complete = list_checkpoints(root)
     doomed = [p for _, p in complete[: max(0, len(complete) - max(1, keep_last))]]
     doomed += [p for p in root.iterdir() if p.is_dir() and (p.name.startswith(TMP_PREFIX) or p.name.startswith(".old_step_"))]
-    keep_path = Path(keep).resolve() if keep is not None else None
+    kept = {Path(k).resolve() for k in (keep, protect) if k is not None}
     for path in doomed:
-        if keep_path is not None and path.resolve() == keep_path:
+        if path.resolve() in kept:
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(str(path))
     return removed
 
 
-def save_checkpoint(learner: Any, ckpt_root: str, step: int, rl_state: dict, keep_last: int = 2) -> str:
-    """Collective over all learner ranks: save model, optimizer, LR schedule, per-rank RNG and `rl_state`; returns the checkpoint path."""
+REJECTED_PREFIX = "rejected_"
+REJECTED_MARKER = "REJECTED"
+
+
+def reject_checkpoints(ckpt_root: str | os.PathLike, first_step: int, reason: str) -> list[str]:
+    """Set aside every complete checkpoint of step >= `first_step`: renamed `rejected_step_<N>` (never loaded or counted
+    again; kept for inspection) with a REJECTED file giving `reason`. Returns the new paths, oldest first."""
+    moved = []
+    for step, path in list_checkpoints(ckpt_root):
+        if step < first_step:
+            continue
+        target, n = path.with_name(REJECTED_PREFIX + path.name), 1
+        while target.exists():
+            target, n = path.with_name(f"{REJECTED_PREFIX}{path.name}.{n}"), n + 1
+        os.replace(path, target)  # first: once renamed it is never loaded, whatever happens next
+        _atomic_write_bytes(target / REJECTED_MARKER, (reason.strip() + "\n").encode())
+        moved.append(str(target))
+    if moved:
+        _fsync_dir(Path(ckpt_root))
+    return moved
+
+
+def save_checkpoint(learner: Any, ckpt_root: str, step: int, rl_state: dict, keep_last: int = 2,
+                    protect: Optional[str] = None) -> str:
+    """Collective over all learner ranks: save model, optimizer, LR schedule, per-rank RNG and `rl_state`; returns the checkpoint path.
+
+    Retention keeps the newest `keep_last` checkpoints and `protect` (e.g. the newest one the health checks vouched for).
+    """
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
     if keep_last < 1:
@@ -349,7 +379,7 @@ def save_checkpoint(learner: Any, ckpt_root: str, step: int, rl_state: dict, kee
             "saved_at": time.time(),
         }
         _publish(tmp, final, meta, rl_state)
-        apply_retention(root, keep_last, keep=final)
+        apply_retention(root, keep_last, keep=final, protect=protect)
 
     _on_controller(prepare)
     with_optimizer = _write_shards(learner, tmp)
