@@ -62,7 +62,7 @@ class SftConfig(StrictConfig):
     """Supervised warm start on the task (`megatron-rl sft`)."""
 
     steps: PositiveInt = 750
-    """Optimizer steps (>= 1)."""
+    """Optimizer steps (>= 1); with stop_accuracy the most it may take."""
     global_batch_size: PositiveInt = 64
     """Sequences per optimizer step (>= 1; all data-parallel ranks together; a multiple of DP size * micro_batch_size)."""
     micro_batch_size: PositiveInt = 64
@@ -75,6 +75,18 @@ class SftConfig(StrictConfig):
     """Where the SFT checkpoint and HF export go (default <run_dir>/sft)."""
     high_precision: bool = True
     """Train the warm start without FP8, as the BF16 base model an FP8 RL run starts from would be."""
+    eval_every: NonNegativeInt = 0
+    """Greedy accuracy of the model on `eval_prompts` training prompts every N steps (>= 0; 0: never), logged to <output_dir>/metrics.jsonl."""
+    eval_prompts: PositiveInt = 200
+    """Training prompts (the first ones of the train set, >= 1) that the greedy accuracy checks score."""
+    stop_accuracy: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    """End the warm start after the first check whose greedy accuracy reaches this (in (0, 1]; needs eval_every > 0); None: all steps."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "SftConfig":
+        if self.stop_accuracy is not None and self.eval_every == 0:
+            raise ValueError("sft.stop_accuracy needs sft.eval_every > 0 (the checks that measure the accuracy)")
+        return self
 
 
 class CheckpointConfig(StrictConfig):
