@@ -46,6 +46,22 @@ def ensure_warm_start(cfg: RunConfig, run_dir: Path, tokenizer, train_rows) -> s
     return str(out)
 
 
+def warm_start_summary(cfg: RunConfig, run_dir: Path) -> str:
+    """Where the run started, for its summary: the init checkpoint, or how its SFT warm start ended."""
+    if cfg.model.init_checkpoint:
+        return f"model.init_checkpoint={cfg.model.init_checkpoint}"
+    from megatron_rl.sft import warm_start_record
+
+    record = warm_start_record(sft_dir(cfg, run_dir))
+    if record is None:
+        return f"SFT export {sft_dir(cfg, run_dir) / 'hf'}"
+    acc = record.get("greedy_accuracy")
+    measured = "" if acc is None else f", greedy accuracy {100 * acc:.1f}% on its first {cfg.sft.eval_prompts} training prompts"
+    why = f" (reached sft.stop_accuracy={record['stop_accuracy']})" if record.get("stopped_by") == "stop_accuracy" else \
+        f" (all sft.steps; sft.stop_accuracy={record.get('stop_accuracy')} not reached)" if record.get("stop_accuracy") else ""
+    return f"SFT {record['steps']} steps{why}{measured}"
+
+
 def is_megatron_checkpoint(path: str | Path) -> bool:
     """True for a complete megatron_rl distributed checkpoint, or a root holding one."""
     from megatron_rl.trainer.checkpoint import latest_checkpoint
