@@ -50,8 +50,11 @@ def _feed(h, x: Any) -> None:
         h.update(f"T{tuple(t.shape)}{t.dtype}".encode())
         if t.layout == torch.strided and t.numel():
             h.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
-    else:
+    elif x is None or isinstance(x, (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout,
+                                     torch.memory_format)):
         h.update(repr(x).encode())
+    else:  # opaque objects (a collective's work handle, a process group) print their address: only their type counts
+        h.update(type(x).__name__.encode())
 
 
 def digest(tree: Any) -> str:
