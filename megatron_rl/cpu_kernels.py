@@ -92,7 +92,8 @@ def kernel_report(env: Optional[Mapping[str, str]] = None) -> str:
     for key in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"):
         if key in env:
             parts.append(f"{key}={env[key]}")
-    parts += [f"{torch.get_num_threads()} threads", cpu_model()]
+    threads = torch.get_num_threads()
+    parts += [f"{threads} thread{'s' if threads != 1 else ''}", cpu_model()]
     return ", ".join(parts)
 
 

@@ -101,5 +101,5 @@ def test_kernel_report_names_what_this_process_runs():
 
     line = kernel_report({"MKL_CBWR": "COMPATIBLE"})
     assert line.startswith(f"ATen {torch.backends.cpu.get_cpu_capability()}, MKL_CBWR=COMPATIBLE, ")
-    assert f"{torch.get_num_threads()} threads" in line and line.endswith(cpu_model())
+    assert f", {torch.get_num_threads()} thread" in line and line.endswith(cpu_model())
     assert cpu_model("model name : Some CPU\nflags : fpu avx2 avx512f amx_tile\n") == "Some CPU (avx2, avx512f, amx_tile)"
