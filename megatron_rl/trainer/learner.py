@@ -255,7 +255,7 @@ class Learner:
         if state.is_last_stage():
             hits = torch.cat([o["hits"] for o in outputs]).cpu()
         else:
-            hits = torch.empty(tuple(batch.input_ids.shape), dtype=torch.uint8)
+            hits = torch.empty(tuple(batch.input_ids.shape), dtype=torch.uint8, device=batch.input_ids.device)
         if state.pp_size() > 1:
             hits = hits.to(self._comm_device())
             dist.broadcast(hits, src=state.last_stage_global_rank(), group=state.pp_group())
