@@ -4,12 +4,15 @@ Trains through the same Learner (megatron schedules, optimizer, FP8 policy) with
 NLL on the answer tokens, then exports an HF directory (<out>/hf) and a megatron distributed
 checkpoint (<out>/checkpoints). Run: `megatron-rl sft examples/configs/tiny_fp8_grpo.yaml`.
 
-With `sft.eval_every` the greedy accuracy on the first `sft.eval_prompts` training prompts is
-measured every that many steps (<out>/metrics.jsonl); `sft.stop_accuracy` ends the warm start at
-the first check that reaches it. The tiny task's SFT accuracy rises in a sudden jump whose position
-moves by hundreds of steps with the seed and the CPU's kernels (docs/RESULTS.md), so a warm start of
-a fixed length lands anywhere on it; stopping at a measured accuracy lands at the same place on it
-wherever the jump happens. Writes <out>/warm_start.json (steps taken, why it stopped, last accuracy).
+With `sft.eval_every` the greedy accuracy on the first `sft.eval_prompts` training prompts, which
+the warm start then never trains on, is measured every that many steps (<out>/metrics.jsonl);
+`sft.stop_accuracy` ends the warm start once the median of the last `sft.stop_window` checks reaches
+it. The tiny task's SFT accuracy rises in a sudden jump whose position moves by hundreds of steps
+with the seed and the CPU's kernels, and at the constant learning rate single checks swing by tens of
+points (docs/RESULTS.md), so a warm start of a fixed length lands anywhere on the curve; stopping at a
+measured accuracy of prompts it has not seen (memorized prompts would count too early), confirmed by
+the next check, lands at the same place wherever the jump happens. Writes <out>/warm_start.json
+(steps taken, why it stopped, last accuracy).
 """
 from __future__ import annotations
 
@@ -96,26 +99,33 @@ def run_sft(cfg: RunConfig, tokenizer, train_rows: Sequence[PromptRow], out_dir:
         raise ValueError(f"sft.global_batch_size={s.global_batch_size} must be divisible by DP size {dp} * sft.micro_batch_size={s.micro_batch_size}")
     rng = random.Random(cfg.data.seed)
     seq_multiple = batching.seq_multiple(cfg.parallel, precision)
-    check_rows = list(train_rows[: s.eval_prompts])
+    check_rows = list(train_rows[: s.eval_prompts]) if s.eval_every else []
+    pool = train_rows[len(check_rows):]  # the checks score prompts the warm start never trains on
+    if not pool:
+        raise ValueError(f"sft.eval_prompts={s.eval_prompts} leaves none of the {len(train_rows)} training prompts for the "
+                         "warm start to train on (the checks score prompts it never trains on): lower it or set sft.eval_every=0")
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "metrics.jsonl", "w") if state.is_controller() and s.eval_every else None
     bar = Progress(s.steps, desc="SFT warm start", keys=(("loss", "loss"), ("accuracy", "acc")),
                    enabled=state.is_controller() and cfg.tracking.progress_bar)
     start = time.perf_counter()
     loss, accuracy, steps, reason = float("nan"), None, s.steps, "steps"
+    checks: list[float] = []
     for step in range(1, s.steps + 1):
-        rows = [train_rows[rng.randrange(len(train_rows))] for _ in range(s.global_batch_size)]
+        rows = [pool[rng.randrange(len(pool))] for _ in range(s.global_batch_size)]
         batch = dp_shard(sft_batch(tokenizer, rows, seq_multiple), rank, dp)
         loss = learner.train_step(batch, nll_loss, s.micro_batch_size)["loss"]
         shown: dict[str, float] = {"loss": loss}
         if s.eval_every and step % s.eval_every == 0:
             accuracy = greedy_accuracy(learner, tokenizer, check_rows, seq_multiple, s.micro_batch_size)
+            checks.append(accuracy)
             shown["accuracy"] = accuracy
             if log is not None:
                 log.write(json.dumps({"step": step, "loss": loss, "greedy_accuracy": accuracy}) + "\n")
                 log.flush()
         bar.update(shown)
-        if s.stop_accuracy is not None and accuracy is not None and accuracy >= s.stop_accuracy:
+        if s.stop_accuracy is not None and len(checks) >= s.stop_window and \
+                sorted(checks[-s.stop_window:])[s.stop_window // 2] >= s.stop_accuracy:
             steps, reason = step, "stop_accuracy"
             break
     bar.close()
@@ -128,7 +138,7 @@ def run_sft(cfg: RunConfig, tokenizer, train_rows: Sequence[PromptRow], out_dir:
         record = {"steps": steps, "stopped_by": reason, "greedy_accuracy": accuracy, "final_loss": loss,
                   "stop_accuracy": s.stop_accuracy, "max_steps": s.steps}
         (out_dir / WARM_START_FILE).write_text(json.dumps(record, indent=1) + "\n")
-        acc = "" if accuracy is None else f", greedy accuracy {100 * accuracy:.1f}% on {len(check_rows)} training prompts"
+        acc = "" if accuracy is None else f", greedy accuracy {100 * accuracy:.1f}% on {len(check_rows)} prompts it did not train on"
         why = f" (reached sft.stop_accuracy={s.stop_accuracy})" if reason == "stop_accuracy" else ""
         print(f"SFT warm start: {steps} steps{why}, final loss {loss:.4f}{acc}, {result['sft/time_s']:.1f} s -> {out_dir / 'hf'}",
               flush=True)

@@ -56,7 +56,7 @@ def warm_start_summary(cfg: RunConfig, run_dir: Path) -> str:
     if record is None:
         return f"SFT export {sft_dir(cfg, run_dir) / 'hf'}"
     acc = record.get("greedy_accuracy")
-    measured = "" if acc is None else f", greedy accuracy {100 * acc:.1f}% on its first {cfg.sft.eval_prompts} training prompts"
+    measured = "" if acc is None else f", last check {100 * acc:.1f}% greedy accuracy on {cfg.sft.eval_prompts} prompts it did not train on"
     why = f" (reached sft.stop_accuracy={record['stop_accuracy']})" if record.get("stopped_by") == "stop_accuracy" else \
         f" (all sft.steps; sft.stop_accuracy={record.get('stop_accuracy')} not reached)" if record.get("stop_accuracy") else ""
     return f"SFT {record['steps']} steps{why}{measured}"

@@ -248,7 +248,7 @@ def test_summary_names_the_warm_start_and_the_cpu_kernels(tmp_path):
     (tmp_path / "sft" / "warm_start.json").write_text(json.dumps(
         {"steps": 730, "stopped_by": "stop_accuracy", "greedy_accuracy": 0.515, "stop_accuracy": 0.5, "max_steps": 1600}))
     where = warm_start_summary(cfg, tmp_path)
-    assert where == "SFT 730 steps (reached sft.stop_accuracy=0.5), greedy accuracy 51.5% on its first 200 training prompts"
+    assert where == "SFT 730 steps (reached sft.stop_accuracy=0.5), last check 51.5% greedy accuracy on 200 prompts it did not train on"
     context = [("warm start", where), ("CPU kernels (this run)", kernel_report())]
     pairs = dict(line.split(": ", 1) for line in write_run_report(tmp_path, rows_of(5), 0.5, 0.75, wall_s=1.0,
                                                                    plots=False, context=context).splitlines())

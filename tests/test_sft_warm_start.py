@@ -60,7 +60,8 @@ def test_greedy_accuracy_is_what_greedy_decoding_scores(tmp_path):
     from megatron_rl.trainer.learner import Learner
     from megatron_rl.warm_start import load_initial_weights
 
-    cfg, tokenizer, rows = _setup(tmp_path, "sft.steps=30", "sft.micro_batch_size=16")
+    cfg, tokenizer, rows = _setup(tmp_path, "sft.steps=30", "sft.micro_batch_size=16", "sft.eval_every=0",
+                                  "sft.stop_accuracy=null")
     run_sft(cfg, tokenizer, rows, tmp_path / "sft")
     model = load_hf_model(str(tmp_path / "sft" / "hf"))
     right, wrong = [], []
@@ -85,22 +86,28 @@ def test_greedy_accuracy_is_what_greedy_decoding_scores(tmp_path):
     state.destroy_distributed()
 
 
-def test_stop_accuracy_ends_the_warm_start_at_the_first_check_that_reaches_it(tmp_path, monkeypatch):
+def test_stop_accuracy_needs_two_of_three_checks_on_prompts_the_warm_start_never_trains_on(tmp_path, monkeypatch):
     import megatron_rl.sft as sft
     from megatron_rl.parallel import state
     from megatron_rl.trainer.checkpoint import checkpoint_meta, latest_checkpoint
 
-    script = iter([0.10, 0.30, 0.55, 0.90])
-    monkeypatch.setattr(sft, "greedy_accuracy", lambda *a, **k: next(script))
-    cfg, tokenizer, rows = _setup(tmp_path, "sft.steps=40", "sft.eval_every=5", "sft.stop_accuracy=0.5",
+    script = iter([0.10, 0.60, 0.20, 0.30, 0.55, 0.52, 0.90])  # check 2 is a lucky swing: it must not stop the warm start
+    scored, trained = [], []
+    monkeypatch.setattr(sft, "greedy_accuracy", lambda learner, tok, rows, *a: scored.append(rows) or next(script))
+    real_batch = sft.sft_batch
+    monkeypatch.setattr(sft, "sft_batch", lambda tok, rows, *a: trained.extend(r.prompt for r in rows) or real_batch(tok, rows, *a))
+    cfg, tokenizer, rows = _setup(tmp_path, "sft.steps=40", "sft.eval_every=5", "sft.stop_accuracy=0.5", "sft.eval_prompts=8",
                                   "sft.micro_batch_size=16", "sft.global_batch_size=16")
     result = sft.run_sft(cfg, tokenizer, rows, tmp_path / "sft")
-    assert result["sft/steps"] == 15.0
+    assert result["sft/steps"] == 30.0  # checks 4-6: 0.30, 0.55, 0.52 -> median 0.52
     logged = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["greedy_accuracy"]) for r in logged] == [(5, 0.10), (10, 0.30), (15, 0.55)]
+    assert [(r["step"], r["greedy_accuracy"]) for r in logged] == [(5, 0.10), (10, 0.60), (15, 0.20), (20, 0.30), (25, 0.55),
+                                                                  (30, 0.52)]
+    checked = {r.prompt for r in scored[0]}
+    assert checked == {r.prompt for r in rows[:8]} and len(trained) == 30 * 16 and not checked & set(trained)
     record = sft.warm_start_record(tmp_path / "sft")
-    assert (record["steps"], record["stopped_by"], record["greedy_accuracy"]) == (15, "stop_accuracy", 0.55)
-    assert checkpoint_meta(latest_checkpoint(str(tmp_path / "sft" / "checkpoints")))["step"] == 15
+    assert (record["steps"], record["stopped_by"], record["greedy_accuracy"]) == (30, "stop_accuracy", 0.52)
+    assert checkpoint_meta(latest_checkpoint(str(tmp_path / "sft" / "checkpoints")))["step"] == 30
     assert (tmp_path / "sft" / "hf" / "model.safetensors").exists()
     state.destroy_distributed()
 
@@ -110,6 +117,8 @@ def test_stop_accuracy_needs_checks():
         load_config(CONFIG, ["sft.eval_every=0", "sft.stop_accuracy=0.5"])
     with pytest.raises(ConfigError, match="sft.stop_accuracy"):
         load_config(CONFIG, ["sft.eval_every=10", "sft.stop_accuracy=1.5"])
+    with pytest.raises(ConfigError, match="sft.stop_window"):
+        load_config(CONFIG, ["sft.stop_window=2"])
 
 
 def _imported_modules(path: Path) -> set[str]:

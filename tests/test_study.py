@@ -174,7 +174,8 @@ def test_smoke_study_runs_resumes_and_skips(tmp_path):
     """2 arms x 1 seed x 2 steps from one SFT (both FP4 recipes end to end); a run killed after step 0 resumes;
     finished runs are skipped."""
     spec = _spec(tmp_path, steps=2, seeds=[1], checkpoint_every=1,
-                 overrides={"sft.steps": 60, "data.num_train_prompts": 200, "data.num_eval_prompts": 8,
+                 overrides={"sft.steps": 60, "sft.eval_every": 0, "sft.stop_accuracy": None, "data.num_train_prompts": 200,
+                            "data.num_eval_prompts": 8,
                             "train.eval_max_prompts": 8, "train.prompts_per_step": 4, "rollout.n_samples_per_prompt": 4,
                             "train.micro_batch_size": 4},
                  arms=[{"name": "mxfp4", "overrides": {"precision.recipe": "mxfp4"}},

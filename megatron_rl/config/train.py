@@ -76,16 +76,20 @@ class SftConfig(StrictConfig):
     high_precision: bool = True
     """Train the warm start without FP8, as the BF16 base model an FP8 RL run starts from would be."""
     eval_every: NonNegativeInt = 0
-    """Greedy accuracy of the model on `eval_prompts` training prompts every N steps (>= 0; 0: never), logged to <output_dir>/metrics.jsonl."""
+    """Greedy accuracy on `eval_prompts` prompts the warm start never trains on, every N steps (>= 0; 0: never), logged to <output_dir>/metrics.jsonl."""
     eval_prompts: PositiveInt = 200
-    """Training prompts (the first ones of the train set, >= 1) that the greedy accuracy checks score."""
+    """Prompts the checks score (>= 1; with eval_every > 0 the first ones of the train set, left out of the SFT batches; RL still uses them)."""
     stop_accuracy: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
-    """End the warm start after the first check whose greedy accuracy reaches this (in (0, 1]; needs eval_every > 0); None: all steps."""
+    """End the warm start once the median of the last stop_window checks reaches this (in (0, 1]; needs eval_every > 0); None: all steps."""
+    stop_window: PositiveInt = 3
+    """Checks (>= 1, odd) whose median stop_accuracy is compared with: 3 = two of the last three, so one lucky check does not stop it."""
 
     @model_validator(mode="after")
     def _check(self) -> "SftConfig":
         if self.stop_accuracy is not None and self.eval_every == 0:
             raise ValueError("sft.stop_accuracy needs sft.eval_every > 0 (the checks that measure the accuracy)")
+        if self.stop_window % 2 == 0:
+            raise ValueError(f"sft.stop_window must be odd (a median of checks), got {self.stop_window}")
         return self
 
 
