@@ -41,8 +41,9 @@ def env() -> dict[str, str]:
 def warm_start(work: Path) -> list[str]:
     """SFT once; the overrides every benchmark run starts from."""
     if not (work / "sft" / "hf" / "model.safetensors").exists():
-        subprocess.run(cli("sft", str(CONFIG), f"run_dir={work}", "sft.steps=200", "data.num_train_prompts=200",
-                           "data.num_eval_prompts=8"), env=env(), check=True, capture_output=True, timeout=1200)
+        subprocess.run(cli("sft", str(CONFIG), f"run_dir={work}", "sft.steps=200", "sft.eval_every=0", "sft.stop_accuracy=null",
+                           "data.num_train_prompts=200", "data.num_eval_prompts=8"), env=env(), check=True,
+                       capture_output=True, timeout=1200)
     return [f"model.init_checkpoint={work / 'sft' / 'hf'}", f"data.train_file={work / 'data' / 'train.jsonl'}",
             f"data.eval_file={work / 'data' / 'eval.jsonl'}", f"data.tokenizer_dir={work / 'data' / 'tokenizer'}",
             "data.num_train_prompts=200", "data.num_eval_prompts=8", "train.eval_max_prompts=8", "train.eval_every=0",

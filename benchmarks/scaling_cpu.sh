@@ -13,7 +13,7 @@ config=examples/configs/tiny_fp8_grpo.yaml
 export OMP_NUM_THREADS=1
 py=.venv/bin/python
 if [ ! -f "$work/warm/sft/hf/model.safetensors" ]; then
-  $py -m megatron_rl.cli sft $config run_dir=$work/warm sft.steps=200 data.num_train_prompts=2000 \
+  $py -m megatron_rl.cli sft $config run_dir=$work/warm sft.steps=200 sft.eval_every=0 sft.stop_accuracy=null data.num_train_prompts=2000 \
     data.num_eval_prompts=8 tracking.progress_bar=false
 fi
 $py tools/scaling_sweep.py $config --launcher local --gpu cpu --gpus-per-node 1 --nodes 1 2 4 --layouts dp \

@@ -135,8 +135,12 @@ def run(cfg: RunConfig) -> dict:
         writer.close()
         from megatron_rl.tracking import read_metrics
 
+        from megatron_rl.cpu_kernels import kernel_report
+        from megatron_rl.warm_start import warm_start_summary
+
+        context = [("warm start", warm_start_summary(cfg, session.run_dir)), ("CPU kernels (this run)", kernel_report())]
         text = write_run_report(session.run_dir, read_metrics(writer.path), eval_before, eval_after, session.wall_time(),
-                                session.sessions(), plots=cfg.tracking.plots)
+                                session.sessions(), plots=cfg.tracking.plots, context=context)
         return {"eval_before": eval_before, "eval_after": eval_after, "summary": text}
     finally:
         rollouts.close()

@@ -5,6 +5,7 @@ HF -> Megatron mapping on every rank, or a megatron distributed checkpoint (a st
 checkpoint root, e.g. from `megatron-rl convert hf-to-megatron`), loaded sharded under any parallel
 layout — the scalable path for 8B+ models. When it is unset, the supervised warm start
 (`megatron_rl.sft`) trains the model on the task once and exports <run_dir>/sft/hf, reused later.
+Imports go one way: this module calls `megatron_rl.sft`, which never imports this one.
 Engines always start from an HF directory (exported from the learner for megatron checkpoints).
 """
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_rl.config import RunConfig
-from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import barrier
 
 
@@ -106,11 +106,27 @@ def ensure_warm_start(cfg: RunConfig, run_dir: Path, tokenizer, train_rows) -> s
         return str(path)
     out = sft_dir(cfg, run_dir) / "hf"
     if needs_warm_start(cfg, run_dir):
-        from megatron_rl.sft import run_sft
+        from megatron_rl.sft import run_sft  # heavy (megatron): imported only when a warm start is trained
 
         run_sft(cfg, tokenizer, train_rows, sft_dir(cfg, run_dir))
     barrier()
     return str(out)
+
+
+def warm_start_summary(cfg: RunConfig, run_dir: Path) -> str:
+    """Where the run started, for its summary: the init checkpoint, or how its SFT warm start ended."""
+    if cfg.model.init_checkpoint:
+        return f"model.init_checkpoint={cfg.model.init_checkpoint}"
+    from megatron_rl.sft import warm_start_record
+
+    record = warm_start_record(sft_dir(cfg, run_dir))
+    if record is None:
+        return f"SFT export {sft_dir(cfg, run_dir) / 'hf'}"
+    acc = record.get("greedy_accuracy")
+    measured = "" if acc is None else f", last check {100 * acc:.1f}% greedy accuracy on {cfg.sft.eval_prompts} prompts it did not train on"
+    why = f" (reached sft.stop_accuracy={record['stop_accuracy']})" if record.get("stopped_by") == "stop_accuracy" else \
+        f" (all sft.steps; sft.stop_accuracy={record.get('stop_accuracy')} not reached)" if record.get("stop_accuracy") else ""
+    return f"SFT {record['steps']} steps{why}{measured}"
 
 
 def is_megatron_checkpoint(path: str | Path) -> bool:
@@ -153,6 +169,8 @@ def initialize_learner(learner, init_dir: str, tokenizer, run_dir: Path) -> str:
         return init_dir
     from megatron_rl.trainer.checkpoint import load_checkpoint
 
+    from megatron_rl.phases.weights import export_hf_dir
+
     load_checkpoint(learner, init_dir, load_optimizer=False, load_rng=False)
     out = run_dir / "init_hf"
     export_hf_dir(learner, tokenizer, out)
@@ -174,22 +192,3 @@ def load_initial_weights(learner, hf_dir: str) -> None:
     full = hf_mapping.to_megatron(hf_sd, learner.arch)
     hf_mapping.check_complete(full, learner.expected_full_shapes(), f"initial weights from {hf_dir}")
     learner.load_full_state_dict(full)
-
-
-def export_hf_dir(learner, tokenizer, out_dir: Path) -> None:
-    """Write an HF directory (config, safetensors shards, tokenizer) of the learner's weights; collective.
-
-    Streamed like a weight sync (each pipeline stage writes its own shards): no rank holds the model.
-    """
-    from megatron_rl.config.precision import PrecisionConfig
-    from megatron_rl.models.presets import hf_config
-    from megatron_rl.phases.weights import export_rollout_checkpoint
-
-    def prepare(staging: str) -> None:
-        config = hf_config(learner.arch, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                           pad_token_id=tokenizer.pad_token_id)
-        config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-
-    export_rollout_checkpoint(learner, PrecisionConfig(), str(out_dir), prepare=prepare)
-    barrier()

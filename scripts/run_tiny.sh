@@ -11,6 +11,7 @@ if [ $# -gt 0 ] && [[ "$1" != *=* ]]; then
   config=$1
   shift
 fi
-# The same bits on every x86-64 machine: torch's and MKL's AVX2 kernel paths (megatron_rl/cpu_kernels.py says why).
+# torch's and MKL's AVX2 kernel paths: a run repeats bit for bit on one machine (not across CPU vendors;
+# megatron_rl/cpu_kernels.py says why).
 eval "$(.venv/bin/python -m megatron_rl.cpu_kernels)"
 exec .venv/bin/megatron-rl train "$config" "$@"

@@ -114,39 +114,65 @@ def load_dumps(run_dir, step: int) -> tuple[int, dict[str, np.ndarray]]:
     return len(files), {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0) for k in keys}
 
 
+def held_targets(sol: SpecSolution, n_neg: int, n_pos: int,
+                 previous: Optional[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha, rho) held after an event (spec section 2.4: a side with no tokens says nothing, so its target is kept).
+
+    alpha needs negative tokens; rho needs both signs. The first event has nothing to keep and holds what it found.
+    """
+    if previous is None:
+        return sol.alpha, sol.rho
+    return (sol.alpha if n_neg else previous[0]), (sol.rho if n_neg and n_pos else previous[1])
+
+
+def _same(logged, want: float, rel_tol: float = 0.0) -> bool:
+    """A logged metric equals the spec's value (metrics.jsonl logs nan and inf as null; in memory they stay floats)."""
+    if not math.isfinite(want):
+        return logged is None or (isinstance(logged, float) and (logged == want or math.isnan(logged) and math.isnan(want)))
+    return logged is not None and (logged == want or math.isclose(logged, want, rel_tol=rel_tol, abs_tol=0.0))
+
+
 def check_run_dumps(run_dir, rows: list[dict], *, ranks: int, eps_low: float, eps_high: float, hist_width: float = 0.0,
                     **clamps) -> list[int]:
     """Recompute every dumped step's solve with `spec_solve` and compare with its metrics row; returns the checked steps.
 
-    Exact for the allgather backend. For the histogram backend pass its bin width (in log r): alpha and rho are
-    still exact (their sums are), L must lie within one bin of the order statistic, and H is only checked to
-    respect the guard rails (it comes from the histogram's own C+ at its own L).
+    Every dumped step is checked, whichever advantage signs its token set holds: with one sign absent the spec
+    keeps the previous targets for what that side would have measured (`held_targets`) and the previous bound on
+    that side (spec_solve), and that is what is asserted. Exact for the allgather backend. For the histogram
+    backend pass its bin width (in log r): alpha and rho are still exact (their sums are), L must lie within one
+    bin of the order statistic, and H is only checked to respect the guard rails (it comes from the histogram's
+    own C+ at its own L).
     """
     checked = []
     previous = (1.0 - eps_low, 1.0 + eps_high)
+    targets: Optional[tuple[float, float]] = None
     for row in rows:
         n_files, d = load_dumps(run_dir, row["step"])
         if n_files:
-            assert n_files == ranks, f"step {row['step']}: {n_files} dump files, expected one per DP x CP rank ({ranks})"
+            step = row["step"]
+            assert n_files == ranks, f"step {step}: {n_files} dump files, expected one per DP x CP rank ({ranks})"
             assert d["ratio"].dtype == np.float64 and d["minibatch"].dtype == np.int64
             assert (d["minibatch"] > 0).all(), "the on-policy first update never feeds a solve"
             want = spec_solve(d["ratio"], d["ratio_hp"], d["adv"], eps_low=eps_low, eps_high=eps_high,
                               previous=previous, **clamps)
-            both_signs = (d["adv"] < 0).any() and (d["adv"] > 0).any()
-            if both_signs:
-                step = row["step"]
-                assert row["calib/alpha_target"] == want.alpha, (step, row["calib/alpha_target"], want.alpha)
-                assert math.isclose(row["calib/rho_target"], want.rho, rel_tol=1e-9), (step, row["calib/rho_target"], want.rho)
-                if hist_width:
+            n_neg, n_pos = int((d["adv"] < 0).sum()), int((d["adv"] > 0).sum())
+            targets = held_targets(want, n_neg, n_pos, targets)
+            alpha, rho = targets
+            where = f"step {step} (|N|={n_neg}, |P|={n_pos})"
+            assert _same(row["calib/alpha_target"], alpha), (where, row["calib/alpha_target"], alpha)
+            assert _same(row["calib/rho_target"], rho, rel_tol=1e-9), (where, row["calib/rho_target"], rho)
+            if hist_width:
+                if n_neg:
                     assert abs(math.log(row["calib/solve_lower_raw"]) - math.log(want.lower_raw)) <= hist_width * 1.001, \
-                        (step, row["calib/solve_lower_raw"], want.lower_raw)
-                    assert clamps.get("upper_min", 1.0) <= row["calib/solve_upper"] <= clamps.get("upper_max", 10.0)
+                        (where, row["calib/solve_lower_raw"], want.lower_raw)
                 else:
-                    assert row["calib/solve_lower"] == want.lower, (step, row["calib/solve_lower"], want.lower)
-                    assert row["calib/solve_lower_raw"] == want.lower_raw, (step, row["calib/solve_lower_raw"], want.lower_raw)
-                    assert row["calib/solve_upper"] == want.upper, (step, row["calib/solve_upper"], want.upper)
-                    if row["calib/solve_upper_raw"] is not None or not math.isnan(want.upper_raw):
-                        assert row["calib/solve_upper_raw"] == want.upper_raw, (step, row["calib/solve_upper_raw"], want.upper_raw)
-                checked.append(step)
+                    assert row["calib/solve_lower"] == want.lower, (where, row["calib/solve_lower"], want.lower)
+                assert clamps.get("upper_min", 1.0) <= row["calib/solve_upper"] <= clamps.get("upper_max", 10.0)
+            else:
+                assert row["calib/solve_lower"] == want.lower, (where, row["calib/solve_lower"], want.lower)
+                assert _same(row["calib/solve_lower_raw"], want.lower_raw), (where, row["calib/solve_lower_raw"], want.lower_raw)
+                assert row["calib/solve_upper"] == want.upper, (where, row["calib/solve_upper"], want.upper)
+                assert _same(row["calib/solve_upper_raw"], want.upper_raw), (where, row["calib/solve_upper_raw"], want.upper_raw)
+            checked.append(step)
         previous = (row["calib/lower"], row["calib/upper"])
     return checked

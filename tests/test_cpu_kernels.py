@@ -56,3 +56,50 @@ def test_torch_runs_the_pinned_kernel_path():
     out = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out == "AVX2"
+
+
+def test_kernel_path_env_sets_and_removes_the_variables():
+    from megatron_rl.cpu_kernels import KERNEL_PATHS, kernel_path_env
+
+    user = {"PATH": "/bin", "ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AUTO"}
+    assert kernel_path_env(user, "native") == {"PATH": "/bin"}
+    assert kernel_path_env(user, "plain") == {"PATH": "/bin", **KERNEL_PATHS["plain"]}
+    assert kernel_path_env({}, "avx2") == PINNED_CPU_KERNELS
+    with pytest.raises(ValueError, match="unknown kernel path 'avx9'; valid: native, avx2, plain"):
+        kernel_path_env({}, "avx9")
+
+
+def test_study_arms_choose_their_kernel_path_and_per_run_warm_starts(tmp_path):
+    from megatron_rl.study import load_study
+    from megatron_rl.study.runner import child_env
+    from megatron_rl.study.spec import StudyError
+
+    spec = tmp_path / "spec.yaml"
+    body = (f"base: {REPO / 'examples/configs/tiny_grpo.yaml'}\noutput_dir: {tmp_path / 'out'}\nsteps: 2\nwarm_start: per_run\n"
+            "arms: [{name: plain, kernels: plain, overrides: {sft.steps: 30}}, {name: pinned}]\n")
+    spec.write_text(body)
+    study = load_study(spec)
+    assert {k: child_env(study, "plain").get(k) for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")} == \
+        {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE,STRICT"}
+    # per_run: the runs share the data, each trains its own SFT (no init checkpoint), so arms may change sft.*
+    warm = study.warm_overrides()
+    assert all(o.startswith("data.") for o in warm) and warm
+    assert study.run_config("plain", 1, warm).model.init_checkpoint is None
+    assert study.run_config("plain", 1, warm).sft.steps == 30
+    spec.write_text(body.replace("kernels: plain", "kernels: avx9"))
+    with pytest.raises(StudyError, match="arms.0.kernels: .*unknown kernel path 'avx9'"):
+        load_study(spec)
+    spec.write_text(body.replace("warm_start: per_run\n", ""))  # shared: an arm may not change the shared SFT
+    with pytest.raises(StudyError, match="sft.steps.*would change the warm start"):
+        load_study(spec)
+
+
+def test_kernel_report_names_what_this_process_runs():
+    import torch
+
+    from megatron_rl.cpu_kernels import cpu_model, kernel_report
+
+    line = kernel_report({"MKL_CBWR": "COMPATIBLE"})
+    assert line.startswith(f"ATen {torch.backends.cpu.get_cpu_capability()}, MKL_CBWR=COMPATIBLE, ")
+    assert f", {torch.get_num_threads()} thread" in line and line.endswith(cpu_model())
+    assert cpu_model("model name : Some CPU\nflags : fpu avx2 avx512f amx_tile\n") == "Some CPU (avx2, avx512f, amx_tile)"

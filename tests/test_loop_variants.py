@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_runs import cli_env, read_rows, warm_start
+from rl_runs import CONFIG, cli_env, read_rows, tiny_overrides, warm_start
 
 from megatron_rl.algo.aggregation import AGG_MODES
 from megatron_rl.trainer.checkpoint import list_checkpoints
@@ -23,12 +23,30 @@ DAPO = "algo.dapo.dynamic_sampling=true,algo.policy_loss.eps_high=0.28"
 DROP = "train.health.reward_drop=0.9,train.health.window=1"  # the dropK hook: rewards in [1, 1.1] before step K, 0 from it
 
 
+def _dapo_train_file(warm: Path, out: Path) -> Path:
+    """The warm start's training prompts, two of step 0's first four with an answer longer than
+    rollout.sampling.max_new_tokens: no sample can be right, so those groups have no reward spread whatever the
+    machine's rollouts, and DAPO must filter them and generate more (the prompt order is a seeded host shuffle)."""
+    from megatron_rl.config import load_config
+    from megatron_rl.data.jsonl import PromptRow, read_jsonl, write_jsonl
+    from megatron_rl.phases.rollout import PromptStream
+
+    cfg = load_config(CONFIG, tiny_overrides(warm))
+    rows = read_jsonl(warm / "data" / "train.jsonl")
+    unreachable = "9" * (cfg.rollout.sampling.max_new_tokens + 1)
+    blocked = {r.prompt for r in PromptStream(rows, cfg.data.seed).take(cfg.train.prompts_per_step)[:2]}
+    path = out / "dapo_train.jsonl"
+    write_jsonl(path, [PromptRow(r.prompt, unreachable if r.prompt in blocked else r.answer, r.meta) for r in rows])
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """OUT dir holding one run directory (and result file) per case."""
     warm = warm_start(tmp_path_factory)
     out = tmp_path_factory.mktemp("variants")
-    cases = [f"agg_{m}:algo.policy_loss.agg_mode={m}" for m in AGG] + [f"dapo:{DAPO}", "nan:train.steps=3",
+    dapo = f"{DAPO},data.train_file={_dapo_train_file(warm, out)}"
+    cases = [f"agg_{m}:algo.policy_loss.agg_mode={m}" for m in AGG] + [f"dapo:{dapo}", "nan:train.steps=3",
                                                                         "overflow:optim.lr=1e20,train.steps=5",
                                                                         "collapse:optim.lr=1e3,train.steps=3",
                                                                         "lr1:optim.lr=1.0,train.steps=3",
@@ -70,8 +88,8 @@ def test_dapo_dynamic_sampling_refills_the_step_with_groups_that_have_spread(run
         # no zero-spread group reached the batch: every trained sample carries a GRPO signal
         assert r["adv/zero_frac"] == 0.0
         assert math.isfinite(r["learner/loss"])
-    assert any(r["dapo/filtered_frac"] > 0 for r in rows), "no group was filtered: the refill path was not exercised"
-    # the same prompts under plain GRPO keep their zero-spread groups (zero advantages) in the batch
+    assert rows[0]["dapo/filtered_frac"] > 0 and rows[0]["dapo/gen_batches"] >= 2  # the two unanswerable prompts
+    # plain GRPO keeps its zero-spread groups (zero advantages) in the batch
     grpo = _rows(runs, "agg_token-mean")
     assert grpo[0]["adv/zero_frac"] == pytest.approx(grpo[0]["groups/no_spread_frac"])
 

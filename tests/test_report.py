@@ -234,3 +234,23 @@ def test_session_wall_time_adds_earlier_sessions():
                        learner=None, clipper=None, hf_dir="")
     assert 0.0 <= fresh.wall_time() < 60 and fresh.sessions() == 1
     assert not math.isnan(fresh.wall_time())
+
+
+def test_summary_names_the_warm_start_and_the_cpu_kernels(tmp_path):
+    import json
+
+    from megatron_rl.config import load_config
+    from megatron_rl.cpu_kernels import kernel_report
+    from megatron_rl.warm_start import warm_start_summary
+
+    cfg = load_config(None, [f"run_dir={tmp_path}", "sft.eval_every=10", "sft.stop_accuracy=0.5", "sft.eval_prompts=200"])
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "warm_start.json").write_text(json.dumps(
+        {"steps": 730, "stopped_by": "stop_accuracy", "greedy_accuracy": 0.515, "stop_accuracy": 0.5, "max_steps": 1600}))
+    where = warm_start_summary(cfg, tmp_path)
+    assert where == "SFT 730 steps (reached sft.stop_accuracy=0.5), last check 51.5% greedy accuracy on 200 prompts it did not train on"
+    context = [("warm start", where), ("CPU kernels (this run)", kernel_report())]
+    pairs = dict(line.split(": ", 1) for line in write_run_report(tmp_path, rows_of(5), 0.5, 0.75, wall_s=1.0,
+                                                                   plots=False, context=context).splitlines())
+    assert pairs["warm start"] == where and pairs["CPU kernels (this run)"].startswith("ATen ")
+    assert warm_start_summary(load_config(None, ["model.init_checkpoint=/ckpt"]), tmp_path) == "model.init_checkpoint=/ckpt"

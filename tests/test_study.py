@@ -125,9 +125,15 @@ def test_report_on_synthetic_runs(tmp_path):
     for seed, k in ((1, 1.0), (2, 3.0)):
         _fake_run(study, "fp8", seed, k, dumps=True)
     _fake_run(study, "hp", 1, 0.5, dumps=False)      # hp seed 2 never ran
+    (study.run_dir("hp", 1) / "sft").mkdir()          # as if it had trained its own warm start (warm_start: per_run)
+    (study.run_dir("hp", 1) / "sft" / "warm_start.json").write_text(json.dumps({"steps": 730, "stopped_by": "stop_accuracy"}))
     out = write_report(study)
     text = out.read_text()
     assert "3 of 4 runs finished" in text
+    assert "Over all 3 finished runs: warm start 20.0-20.0%, after RL 70.0-320.0% (spread 250.0 points), gain +50.0 " \
+           "to +300.0 points." in text
+    assert "| hp | 1 | done | 10 | 730 (stop_accuracy) | 20.0% -> 70.0% | +50.0 |" in text
+    assert "| fp8 | 1 | done | 10 | shared | 20.0% -> 120.0% | +100.0 |" in text
     row = next(line for line in text.splitlines() if line.startswith("| clipfrac_lower_neg |"))  # the results table
     assert row == f"| clipfrac_lower_neg | 0.005 ± 0 [0.005, 0.005] | {results.SeedStats([0.01, 0.03]).cell()} |"
     assert "| clipfrac_lower_neg | 4x |" in text                                         # (0.01+0.03)/2 / 0.005
@@ -168,7 +174,8 @@ def test_smoke_study_runs_resumes_and_skips(tmp_path):
     """2 arms x 1 seed x 2 steps from one SFT (both FP4 recipes end to end); a run killed after step 0 resumes;
     finished runs are skipped."""
     spec = _spec(tmp_path, steps=2, seeds=[1], checkpoint_every=1,
-                 overrides={"sft.steps": 60, "data.num_train_prompts": 200, "data.num_eval_prompts": 8,
+                 overrides={"sft.steps": 60, "sft.eval_every": 0, "sft.stop_accuracy": None, "data.num_train_prompts": 200,
+                            "data.num_eval_prompts": 8,
                             "train.eval_max_prompts": 8, "train.prompts_per_step": 4, "rollout.n_samples_per_prompt": 4,
                             "train.micro_batch_size": 4},
                  arms=[{"name": "mxfp4", "overrides": {"precision.recipe": "mxfp4"}},

@@ -90,6 +90,9 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
     if sft and s.global_batch_size % (dp_size * s.micro_batch_size):
         out.append(f"sft.global_batch_size ({s.global_batch_size}) must be divisible by data-parallel size ({dp_size}) "
                    f"* sft.micro_batch_size ({s.micro_batch_size})")
+    if sft and s.eval_every and cfg.data.train_file is None and s.eval_prompts >= cfg.data.num_train_prompts:
+        out.append(f"sft.eval_prompts ({s.eval_prompts}) leaves none of data.num_train_prompts ({cfg.data.num_train_prompts}) "
+                   "for the warm start to train on (the checks score prompts it never trains on): lower it or set sft.eval_every=0")
     lmax = cfg.algo.dapo.max_response_length or cfg.rollout.sampling.max_new_tokens
     if cfg.algo.dapo.overlong_buffer and cfg.algo.dapo.overlong_buffer >= lmax:
         out.append(f"algo.dapo.overlong_buffer ({cfg.algo.dapo.overlong_buffer}) must be smaller than "

@@ -70,7 +70,7 @@ class SftConfig(StrictConfig):
     """Supervised warm start on the task (`megatron-rl sft`)."""
 
     steps: PositiveInt = 750
-    """Optimizer steps (>= 1)."""
+    """Optimizer steps (>= 1); with stop_accuracy the most it may take."""
     global_batch_size: PositiveInt = 64
     """Sequences per optimizer step (>= 1; all data-parallel ranks together; a multiple of DP size * micro_batch_size)."""
     micro_batch_size: PositiveInt = 64
@@ -83,6 +83,22 @@ class SftConfig(StrictConfig):
     """Where the SFT checkpoint and HF export go (default <run_dir>/sft)."""
     high_precision: bool = True
     """Train the warm start without FP8, as the BF16 base model an FP8 RL run starts from would be."""
+    eval_every: NonNegativeInt = 0
+    """Greedy accuracy on `eval_prompts` prompts the warm start never trains on, every N steps (>= 0; 0: never), logged to <output_dir>/metrics.jsonl."""
+    eval_prompts: PositiveInt = 200
+    """Prompts the checks score (>= 1; with eval_every > 0 the first ones of the train set, left out of the SFT batches; RL still uses them)."""
+    stop_accuracy: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    """End the warm start once the median of the last stop_window checks reaches this (in (0, 1]; needs eval_every > 0); None: all steps."""
+    stop_window: PositiveInt = 3
+    """Checks (>= 1, odd) whose median stop_accuracy is compared with: 3 = two of the last three, so one lucky check does not stop it."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "SftConfig":
+        if self.stop_accuracy is not None and self.eval_every == 0:
+            raise ValueError("sft.stop_accuracy needs sft.eval_every > 0 (the checks that measure the accuracy)")
+        if self.stop_window % 2 == 0:
+            raise ValueError(f"sft.stop_window must be odd (a median of checks), got {self.stop_window}")
+        return self
 
 
 class CheckpointConfig(StrictConfig):

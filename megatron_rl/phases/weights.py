@@ -17,7 +17,7 @@ import torch
 
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.parallel import state
-from megatron_rl.parallel.comm import all_gather_objects, broadcast_from_controller
+from megatron_rl.parallel.comm import all_gather_objects, barrier, broadcast_from_controller
 from megatron_rl.trainer.weight_export import Converter, StreamingExporter, check_finite, nbytes, with_last
 
 
@@ -212,3 +212,20 @@ class _ShardWriter:
 
     def end_stage(self) -> None:
         pass
+
+
+def export_hf_dir(learner, tokenizer, out_dir) -> None:
+    """Write an HF directory (config, safetensors shards, tokenizer) of the learner's weights; collective.
+
+    Streamed like a weight sync (each pipeline stage writes its own shards): no rank holds the model.
+    """
+    from megatron_rl.models.presets import hf_config
+
+    def prepare(staging: str) -> None:
+        config = hf_config(learner.arch, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+    export_rollout_checkpoint(learner, PrecisionConfig(), str(out_dir), prepare=prepare)
+    barrier()

@@ -238,12 +238,16 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
         f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} by `megatron-rl study {study.spec_path}`.",
         f"Base config `{study.base}`, {spec.steps} RL steps per run, seeds {spec.seeds} "
         f"(each sets {', '.join(f'`{f}`' for f in spec.seed_fields)}); {done} of {len(records)} runs finished.",
-        f"Every run starts from the same warm start (`{study.warm_dir}`): one SFT and one data set for all arms and seeds.",
+        f"Every run starts from the same warm start (`{study.warm_dir}`): one SFT and one data set for all arms and seeds."
+        if spec.warm_start == "shared" else
+        f"Every run trains its own SFT warm start (`<run>/sft`, shaped by its seed and kernel path); the data is shared "
+        f"(`{study.warm_dir / 'data'}`).",
         "",
         "## Arms",
         "",
-        *_table(["arm", "overrides (over the base config and the shared overrides)"],
-                [[a.name, ", ".join(f"`{k}={json.dumps(v)}`" for k, v in a.overrides.items()) or "(none)"] for a in spec.arms]),
+        *_table(["arm", "CPU kernels", "overrides (over the base config and the shared overrides)"],
+                [[a.name, a.kernels or "pinned", ", ".join(f"`{k}={json.dumps(v)}`" for k, v in a.overrides.items()) or "(none)"]
+                 for a in spec.arms]),
         "",
         f"Shared overrides: {', '.join(f'`{k}={json.dumps(v)}`' for k, v in spec.overrides.items()) or '(none)'}.",
         "",
@@ -269,11 +273,14 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
     lines += [
         "## Runs",
         "",
-        *_table(["arm", "seed", "status", "steps logged", "held-out accuracy before -> after", "wall time (s)", "directory"],
-                [[r.arm, r.seed, r.status, len(r.rows),
-                  f"{_pct(r.evals.get('eval_before'))} -> {_pct(r.evals.get('eval_after'))}", f"{r.wall_s:.0f}", f"`{r.run_dir}`"]
+        *_table(["arm", "seed", "status", "steps logged", "SFT steps", "held-out accuracy before -> after", "gain",
+                 "wall time (s)", "directory"],
+                [[r.arm, r.seed, r.status, len(r.rows), _sft_steps(r.run_dir),
+                  f"{_pct(r.evals.get('eval_before'))} -> {_pct(r.evals.get('eval_after'))}", _gain(r.evals),
+                  f"{r.wall_s:.0f}", f"`{r.run_dir}`"]
                  for r in records]),
         "",
+        *_overall(records),
         f"Total wall time of the runs: {sum(r.wall_s for r in records):.0f} s.",
         "",
         "## Metric definitions",
@@ -304,3 +311,31 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
 
 def _pct(v: Optional[float]) -> str:
     return f"{100 * v:.1f}%" if v is not None and math.isfinite(v) else "n/a"
+
+
+def _gain(evals: dict[str, float]) -> str:
+    if "eval_before" in evals and "eval_after" in evals:
+        return f"{100 * (evals['eval_after'] - evals['eval_before']):+.1f}"
+    return "n/a"
+
+
+def _sft_steps(run_dir: Path) -> str:
+    """Steps the run's own warm start took (and why it stopped), from <run>/sft/warm_start.json; 'shared' without one."""
+    path = Path(run_dir) / "sft" / "warm_start.json"
+    if not path.exists():
+        return "shared"
+    record = json.loads(path.read_text())
+    return f"{record['steps']}" + (" (stop_accuracy)" if record.get("stopped_by") == "stop_accuracy" else "")
+
+
+def _overall(records: Sequence[RunRecord]) -> list[str]:
+    """One line: ranges over every finished run (all arms and seeds) of the accuracy before and after RL, and the gain."""
+    done = [r.evals for r in records if r.status == "done" and {"eval_before", "eval_after"} <= set(r.evals)]
+    if not done:
+        return []
+    before = [100 * e["eval_before"] for e in done]
+    after = [100 * e["eval_after"] for e in done]
+    gain = [a - b for a, b in zip(after, before)]
+    return [f"Over all {len(done)} finished runs: warm start {min(before):.1f}-{max(before):.1f}%, after RL "
+            f"{min(after):.1f}-{max(after):.1f}% (spread {max(after) - min(after):.1f} points), gain "
+            f"{min(gain):+.1f} to {max(gain):+.1f} points.", ""]

@@ -24,16 +24,17 @@ import numpy as np
 import yaml
 
 from megatron_rl.config.run import config_record
-from megatron_rl.cpu_kernels import pinned_env
+from megatron_rl.cpu_kernels import kernel_path_env, pinned_env
 from megatron_rl.study import results
 from megatron_rl.config.yaml_io import load_yaml_file
 from megatron_rl.study.spec import Study, StudyError, as_overrides
 
 
-def child_env(study: Study) -> dict[str, str]:
-    """Environment of a run: the spec's CPU threads per process, pinned CPU kernels (megatron_rl/cpu_kernels.py),
-    this package importable."""
-    env = pinned_env(os.environ)
+def child_env(study: Study, arm: Optional[str] = None) -> dict[str, str]:
+    """Environment of a run: the spec's CPU threads per process, the CPU kernels (the arm's `kernels` path, else the
+    pins of megatron_rl/cpu_kernels.py), this package importable."""
+    kernels = next((a.kernels for a in study.spec.arms if a.name == arm), None)
+    env = pinned_env(os.environ) if kernels is None else kernel_path_env(os.environ, kernels)
     env["OMP_NUM_THREADS"] = str(study.spec.torch_threads)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
@@ -67,7 +68,7 @@ def prepare_warm_start(study: Study, say: Callable[[str], None] = print) -> list
     warm = study.warm_overrides()
     if any(o.startswith("data.") for o in warm):
         prepare_task_data(cfg.data, study.warm_dir / "data")
-    if cfg.model.init_checkpoint is not None:
+    if cfg.model.init_checkpoint is not None or study.spec.warm_start == "per_run":
         return warm
     data = [o for o in warm if o.startswith("data.")]
     hf = Path(json.loads(warm[-1].split("=", 1)[1]))
@@ -141,7 +142,7 @@ def run_study(study: Study, report_only: bool = False, say: Callable[[str], None
             first = results.resume_step(run_dir)
             say(f"[{k}/{len(runs)}] {arm} seed {seed}: " + (f"resuming at step {first}" if first else "starting"))
             cmd = cli_command(study, "train", study.run_overrides(arm, seed, warm), study.spec.nproc)
-            rc, wall = _run_logged(cmd, child_env(study), run_dir / "study.log")
+            rc, wall = _run_logged(cmd, child_env(study, arm), run_dir / "study.log")
             with (run_dir / results.ATTEMPTS_FILE).open("a") as fh:
                 fh.write(json.dumps({"started": datetime.datetime.now().isoformat(timespec="seconds"),
                                      "wall_s": wall, "returncode": rc, "resumed_from_step": first}) + "\n")

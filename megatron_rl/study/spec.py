@@ -11,7 +11,10 @@
 
 A "seed" sets every field of `seed_fields` to its value; the warm start (SFT, data, tokenizer) is
 shared by every arm and seed, so arms may not change model.*, data.* or sft.* (put such changes in
-the study's `overrides`: one study per warm start). Every run config is built and validated when the
+the study's `overrides`: one study per warm start). With `warm_start: per_run` only the data is
+shared: every run trains its own SFT warm start in its run directory (what the main job does), so a
+seed and an arm's `kernels` (the CPU kernel path of its runs, megatron_rl/cpu_kernels.py) shape it
+too, and arms may change model.* and sft.*. Every run config is built and validated when the
 spec loads (`load_study`), so a spec that loads does not fail on a config value hours later.
 """
 from __future__ import annotations
@@ -19,13 +22,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from megatron_rl.config import ConfigError, RunConfig, load_config
 from megatron_rl.config.base import StrictConfig
 from megatron_rl.config.yaml_io import YAMLInputError, load_yaml_file
+from megatron_rl.cpu_kernels import KERNEL_PATHS
 
 SHARED_PREFIXES = ("model.", "data.", "sft.")
 """Arm overrides may not touch these sections: they define the warm start every arm shares."""
@@ -44,6 +48,15 @@ class ArmSpec(StrictConfig):
     """Arm name (letters, digits, '.', '_', '-'): the run directory runs/<name>/seed<seed>."""
     overrides: dict[str, Any] = {}
     """Dotted config keys and their values, applied after the study's shared overrides."""
+    kernels: Optional[str] = None
+    """CPU kernel path of this arm's runs, a name in megatron_rl.cpu_kernels.KERNEL_PATHS (native, avx2, plain); None: the pins."""
+
+    @field_validator("kernels")
+    @classmethod
+    def _kernels(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and v not in KERNEL_PATHS:
+            raise ValueError(f"unknown kernel path {v!r}; valid: {', '.join(KERNEL_PATHS)}")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -68,6 +81,8 @@ class StudySpec(StrictConfig):
     """Config fields a seed sets (the warm start keeps the base config's seeds)."""
     overrides: dict[str, Any] = {}
     """Dotted overrides shared by the warm start and every arm (model, data and SFT changes go here)."""
+    warm_start: Literal["shared", "per_run"] = "shared"
+    """shared: one SFT warm start for every run (arms may not change model., data., sft.); per_run: each run trains its own in its run directory (data still shared)."""
     arms: list[ArmSpec] = Field(min_length=1)
     """The arms, in run and report order."""
     reference_arm: Optional[str] = None
@@ -108,9 +123,10 @@ class StudySpec(StrictConfig):
             where = f"arms[{i}] ({arm.name}).overrides"
             for key in arm.overrides:
                 _forbid(key, RUNNER_KEYS + tuple(self.seed_fields), where)
-                if key.startswith(SHARED_PREFIXES):
-                    raise ValueError(f"{where}: {key!r} would change the warm start every arm shares; "
-                                     "put it in the study's overrides (one study per warm start)")
+                shared = SHARED_PREFIXES if self.warm_start == "shared" else ("data.",)
+                if key.startswith(shared):
+                    raise ValueError(f"{where}: {key!r} would change the {'warm start' if self.warm_start == 'shared' else 'data'} "
+                                     "every arm shares; put it in the study's overrides (one study per warm start)")
         return self
 
     @property
@@ -154,7 +170,8 @@ class Study:
 
     def warm_overrides(self) -> list[str]:
         """Overrides pointing a run at the shared warm start: the data files and tokenizer (when the base
-        config generates them) and the SFT export (when it sets no model.init_checkpoint). Pure: computes
+        config generates them) and the SFT export (when it sets no model.init_checkpoint and the warm start is
+        shared; per_run runs train their own). Pure: computes
         the paths the runner's prepare_warm_start creates."""
         from megatron_rl.warm_start import sft_dir
 
@@ -166,7 +183,7 @@ class Study:
             for field, name in (("train_file", "train.jsonl"), ("tokenizer_dir", "tokenizer"), ("eval_file", "eval.jsonl")):
                 if getattr(d, field) is None and (field != "eval_file" or d.num_eval_prompts > 0):
                     out.append(f"data.{field}={json.dumps(str(data_dir / name))}")
-        if cfg.model.init_checkpoint is None:
+        if cfg.model.init_checkpoint is None and self.spec.warm_start == "shared":
             hf = sft_dir(self.warm_start_config(out), self.warm_dir) / "hf"
             out.append(f"model.init_checkpoint={json.dumps(str(hf))}")
         return out

@@ -118,8 +118,8 @@ def tail_rows(rows: Sequence[dict]) -> Sequence[dict]:
 
 
 def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wall_s: float, sessions: int = 1,
-                 plots: Sequence[Path] = ()) -> list[tuple[str, str]]:
-    """(label, value) pairs of the end-of-run summary."""
+                 plots: Sequence[Path] = (), context: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
+    """(label, value) pairs of the end-of-run summary; `context` pairs (where the run started, its CPU kernels) go last."""
     head, tail = head_rows(rows), tail_rows(rows)
 
     def fmt(v: float, pct: bool = False) -> str:
@@ -157,6 +157,7 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
         ("TIS weight mean / clipfrac", f"{fmt(mean_of(rows, 'tis_weight_mean'))} / {fmt(mean_of(rows, 'tis_clipfrac'))}"),
         ("step time (mean, s)", fmt(mean_of(rows, "time/step"))),
         ("wall time (s)", f"{wall_s:.1f}" + (f" (summed over {sessions} sessions; earlier ones up to their last checkpoint)" if sessions > 1 else "")),
+        *context,
     ]
     if plots:
         stems = [Path(p).stem for p in plots]
@@ -166,7 +167,8 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
 
 
 def print_summary(rows: Sequence[dict], eval_before: float, eval_after: float, wall_s: float,
-                  title: str = "megatron_rl run summary", sessions: int = 1, plots: Sequence[Path] = ()) -> str:
+                  title: str = "megatron_rl run summary", sessions: int = 1, plots: Sequence[Path] = (),
+                  context: Sequence[tuple[str, str]] = ()) -> str:
     """Print the summary table (rich) and return it as plain text."""
     from rich.console import Console
     from rich.table import Table
@@ -174,7 +176,7 @@ def print_summary(rows: Sequence[dict], eval_before: float, eval_after: float, w
     table = Table(title=title, show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
-    pairs = summary_rows(rows, eval_before, eval_after, wall_s, sessions, plots)
+    pairs = summary_rows(rows, eval_before, eval_after, wall_s, sessions, plots, context)
     for label, value in pairs:
         if label != "plots":
             table.add_row(label, value)
@@ -186,7 +188,7 @@ def print_summary(rows: Sequence[dict], eval_before: float, eval_after: float, w
 
 
 def write_run_report(run_dir: str | Path, rows: Sequence[dict], eval_before: float, eval_after: float, wall_s: float,
-                     sessions: int = 1, plots: bool = True) -> str:
+                     sessions: int = 1, plots: bool = True, context: Sequence[tuple[str, str]] = ()) -> str:
     """End of a run: draw RUN_DIR/plots/*.png (when `plots`), print the summary naming them, write RUN_DIR/summary.txt."""
     run_dir = Path(run_dir)
     written = []
@@ -194,6 +196,6 @@ def write_run_report(run_dir: str | Path, rows: Sequence[dict], eval_before: flo
         from megatron_rl.tracking.plots import plot_run
 
         written = plot_run(rows, run_dir / "plots")
-    text = print_summary(rows, eval_before, eval_after, wall_s, sessions=sessions, plots=written)
+    text = print_summary(rows, eval_before, eval_after, wall_s, sessions=sessions, plots=written, context=context)
     (run_dir / "summary.txt").write_text(text + "\n")
     return text

@@ -1,6 +1,6 @@
 """The Learner: owns every piece of megatron state (model chunks, DDP, optimizer, LR schedule).
 
-It knows nothing about RL. It computes log-probs/entropy (`forward_logprobs`), runs one
+It knows nothing about RL. It computes log-probs/entropy (`forward_logprobs`) and greedy hits (`forward_greedy_hits`), runs one
 optimizer step for a loss given as a callable (`train_step`), and moves full (un-sharded)
 megatron-named weights in and out (`gather_full_state_dict` / `load_full_state_dict`).
 
@@ -26,7 +26,7 @@ from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.parallel import state
 from megatron_rl.precision import fp8_forward_context
 from megatron_rl.models.presets import Architecture, megatron_param_shapes, resolve_architecture
-from megatron_rl.trainer.logprobs import gather_cp_sequence, vocab_parallel_logprobs_entropy
+from megatron_rl.trainer.logprobs import gather_cp_sequence, vocab_parallel_label_is_argmax, vocab_parallel_logprobs_entropy
 from megatron_rl.trainer.model import build_model_chunks, build_transformer_config, unwrap, wrap_ddp
 from megatron_rl.trainer.spec import layer_offset, to_cp_layout
 from megatron_rl.types import TrainBatch
@@ -238,6 +238,29 @@ class Learner:
             dist.broadcast(packed, src=state.last_stage_global_rank(), group=state.pp_group())
             lp, ent = packed[0].cpu(), packed[1].cpu()
         return lp, ent
+
+    def forward_greedy_hits(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+        """No-grad bool [B, S] of this DP rank's rows: labels[b, s] is the model's argmax after input_ids[b, :s+1]
+        (teacher forcing), on every rank of the replica."""
+        cp, cp_rank, cp_group = state.cp_size(), state.cp_rank(), state.cp_group()
+
+        def builder(logits, index, n_mb, mb):
+            hit = vocab_parallel_label_is_argmax(logits, to_cp_layout(mb.labels, cp, cp_rank).to(logits.device),
+                                                 state.tp_group())
+            out = {"hits": gather_cp_sequence(hit.to(torch.uint8), cp_group)}
+            return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), out
+
+        with torch.no_grad():
+            outputs = self._run(batch, micro_batch_size, builder, forward_only=True)
+        if state.is_last_stage():
+            hits = torch.cat([o["hits"] for o in outputs]).cpu()
+        else:
+            hits = torch.empty(tuple(batch.input_ids.shape), dtype=torch.uint8, device=batch.input_ids.device)
+        if state.pp_size() > 1:
+            hits = hits.to(self._comm_device())
+            dist.broadcast(hits, src=state.last_stage_global_rank(), group=state.pp_group())
+            hits = hits.cpu()
+        return hits.bool()
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         """One optimizer step on this DP rank's rows; returns loss, grad_norm, lr and loss_fn metrics (sums over micro-batches and DP x CP ranks)."""

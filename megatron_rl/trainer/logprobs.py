@@ -14,6 +14,7 @@ input; this module does not use it).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -100,6 +101,27 @@ def vocab_parallel_logprobs_entropy(
     flat = logits.reshape(-1, logits.shape[-1])
     logprob, entropy = _VocabParallelLogprobEntropy.apply(flat, labels.reshape(-1).long(), vocab_start, chunk_size, tp_group)
     return logprob.view(labels.shape), entropy.view(labels.shape)
+
+
+def vocab_parallel_label_is_argmax(logits: torch.Tensor, labels: torch.Tensor,
+                                   tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Bool, shaped like `labels`: the label's logit is the largest of the whole vocabulary (what greedy decoding picks).
+
+    From [..., V/tp] logits (this rank's vocab slice); no gradient. An exact tie with another token counts as a hit
+    (greedy takes the lowest index); with float logits ties do not occur in practice.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not align")
+    tp_rank = dist.get_rank(group=tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
+    with torch.no_grad():
+        z = logits.detach().float()
+        top = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, tp_group)
+        local = labels.to(z.device).long() - tp_rank * z.shape[-1]
+        in_range = (local >= 0) & (local < z.shape[-1])
+        picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        # the label's logit lives on one TP rank; the others contribute -inf to the MAX
+        target = _all_reduce(torch.where(in_range, picked, torch.full_like(picked, -math.inf)), dist.ReduceOp.MAX, tp_group)
+        return target >= top
 
 
 def gather_cp_sequence(x: torch.Tensor, cp_group: Optional[dist.ProcessGroup], seq_dim: int = 1) -> torch.Tensor:

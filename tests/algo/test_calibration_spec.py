@@ -55,3 +55,43 @@ def test_spec_checker_fails_on_a_wrong_quantile():
     k = int(round(want.alpha * negs.size))
     assert want.lower_raw == negs[k]  # the (floor(alpha |N|) + 1)-th order statistic, 1-based
     assert want.lower_raw != negs[k - 1] and want.lower_raw != negs[k + 1]
+
+
+def _event_rows(tmp_path, events):
+    """Solve each pooled token set in turn with one clipper (EMA on), writing the dumps and metrics rows a run would."""
+    clipper = CalibratedClipper(CalibrationConfig(enabled=True, smoothing=0.5, relax_only=False), eps_low=0.2, eps_high=0.2)
+    rows = []
+    for step, (r8, r_hp, adv) in enumerate(events):
+        stats = clipper.new_stats(reference=True)
+        stats.add(r8, adv, ratio_hp=r_hp)
+        sol = clipper.solve(stats)
+        keep = adv != 0
+        np.savez(tmp_path / "calibration" / f"step_{step:06d}.rank0.npz", ratio=r8[keep].double().numpy(),
+                 ratio_hp=r_hp[keep].double().numpy(), adv=adv[keep].double().numpy(),
+                 minibatch=np.ones(int(keep.sum()), dtype=np.int64))
+        rows.append({"step": step, **clipper.metrics(), **CalibratedClipper.solution_metrics(sol)})
+    return rows
+
+
+def test_events_missing_a_sign_keep_the_previous_targets(tmp_path):
+    """Which signs a run's shadow rows hold depends on the machine's rollouts: the checker of run dumps must follow the
+    spec in every case (both signs, negative only, positive only, no tokens), and fail on a target the spec does not keep."""
+    from calibration_spec import check_run_dumps
+
+    (tmp_path / "calibration").mkdir()
+    r8, r_hp, adv = _tokens(7, 300, 0.1, 0.3)
+    neg, pos = adv < 0, adv > 0
+    events = [(r8, r_hp, adv), (r8, r_hp, adv * neg), (r8, r_hp, adv * pos), (r8[:0], r_hp[:0], adv[:0]),
+              (r8.flip(0), r_hp, adv)]
+    rows = _event_rows(tmp_path, events)
+    assert check_run_dumps(tmp_path, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False) == [0, 1, 2, 3, 4]
+    # the negative-only event keeps event 0's rho (its own shadow pass would say 0): a checker that took rho from
+    # the event's own tokens must fail here
+    assert rows[1]["calib/rho_target"] == rows[0]["calib/rho_target"] > 0
+    bad = [dict(r) for r in rows]
+    bad[1]["calib/rho_target"] = 0.0
+    with pytest.raises(AssertionError, match="step 1"):
+        check_run_dumps(tmp_path, bad, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False)
+    # the positive-only event keeps alpha, L and (no negative mass to balance) H
+    assert rows[2]["calib/alpha_target"] == rows[1]["calib/alpha_target"]
+    assert (rows[2]["calib/solve_lower"], rows[2]["calib/solve_upper"]) == (rows[1]["calib/lower"], rows[1]["calib/upper"])

@@ -47,6 +47,19 @@ def global_batch() -> TrainBatch:
     )
 
 
+def greedy_check() -> tuple[torch.Tensor, torch.Tensor]:
+    """(vocab_parallel_label_is_argmax on fixed logits split into this rank's TP vocab slice, the answer from the whole
+    logits): labels are the argmax on about half the positions, random elsewhere."""
+    from megatron_rl.trainer.logprobs import vocab_parallel_label_is_argmax
+
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(B, S, VOCAB, generator=g)
+    labels = torch.where(torch.rand(B, S, generator=g) < 0.5, full.argmax(-1), torch.randint(0, VOCAB, (B, S), generator=g))
+    tp, r = state.tp_size(), state.tp_rank()
+    shard = full[..., r * VOCAB // tp:(r + 1) * VOCAB // tp]
+    return vocab_parallel_label_is_argmax(shard, labels, state.tp_group()), labels == full.argmax(-1)
+
+
 def loss_fn(lp, ent, mb, ctx):
     """Global-sum-form policy-gradient-like loss with an entropy bonus (exercises both gradients)."""
     w = mb.token_weight
@@ -104,8 +117,9 @@ def main() -> None:
     lp_after, _ = learner.forward_logprobs(mine, a.mbs)
     final = learner.gather_full_state_dict()
     rank = state.global_rank()
+    greedy_hits, greedy_want = greedy_check()
     torch.save({"rows": (rows.start, rows.stop), "logprobs": lp, "entropy": ent, "logprobs_after": lp_after,
-                "steps": steps, "final": final,
+                "steps": steps, "final": final, "greedy_hits": greedy_hits, "greedy_want": greedy_want,
                 "expected_shapes": learner.expected_full_shapes()}, out / f"rank{rank}.pt")
     report({"rank": rank, "dp_rank": r, "steps": steps})
     state.destroy_distributed()
