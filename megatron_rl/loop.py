@@ -66,7 +66,7 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
             for k, mb in enumerate(batching.minibatches(batch, cfg.train.num_minibatches, seed=cfg.train.seed * 7919 + step * 31 + epoch)):
                 mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode, batching.agg_max_len(cfg)), state.dp_rank(), state.dp_size())
                 mb, bounds, tap = calib.before_update(learner, mb, epoch, k)
-                loss_fn = RLLoss(cfg.algo, bounds, tap)
+                loss_fn = RLLoss(cfg.algo, bounds, tap, off_policy=plan.off_policy(epoch, k))
                 out = learner.train_step(mb, loss_fn, mbs)
                 sums = add_sums(sums, loss_fn.sums or {})
                 learner_metrics = add_sums(learner_metrics, {k: _t(v) for k, v in out.items()})

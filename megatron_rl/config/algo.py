@@ -61,9 +61,11 @@ class CalibrationConfig(StrictConfig):
     calibrate_every: PositiveInt = 20
     """A calibration event every this many steps (paper: 20): shadow forwards, one pooled solve at the end of the step, bounds held from the next step."""
     smoothing: float = Field(0.5, ge=0, lt=1, allow_inf_nan=False)
-    """EMA weight of the held bound, once per calibration event: new = smoothing * old + (1 - smoothing) * solved (per_minibatch pre-pass solves apply unsmoothed)."""
-    bounds_update: Literal["per_calibration", "per_minibatch"] = "per_calibration"
-    """per_calibration (paper): one pooled solve per calibration step, held until the next; per_minibatch: also re-solve before every off-policy mini-batch from a no-grad FP8 pre-pass."""
+    """EMA weight of the held bound, once per calibration event: new = smoothing * old + (1 - smoothing) * solved (per_step and per_minibatch pre-pass solves apply unsmoothed)."""
+    bounds_update: Literal["per_step", "per_calibration", "per_minibatch"] = "per_step"
+    """per_step: every step ends with a pooled solve over the FP8 ratios its off-policy updates' training forwards computed, at the targets held from the last calibration event, and the next step trains with it (no extra forward); per_calibration (paper): one pooled solve per calibration step, held until the next; per_minibatch: also re-solve before every off-policy mini-batch from a no-grad FP8 pre-pass."""
+    on_policy_bounds: Literal["held", "open"] = "open"
+    """Bounds of each step's first update (on-policy: its high-precision ratio is exactly 1, so high precision clips none of its tokens): open trains it at [lower_min, upper_max], clipping no more than the guard rails; held uses the calibrated bounds like every other update."""
     relax_only: bool = True
     """Guard rail: calibration only relaxes the bounds (L <= 1 - eps_low, H >= 1 + eps_high); false allows tightening."""
     target_source: Literal["shadow", "static"] = "shadow"

@@ -297,7 +297,7 @@ def test_plan_decides_events_off_policy_updates_and_rows():
     from megatron_rl.config.train import TrainConfig
 
     train = TrainConfig(num_minibatches=3, ppo_epochs=2)
-    cfg = _cfg(calibrate_every=4)
+    cfg = _cfg(calibrate_every=4, bounds_update="per_calibration")
     p0, p1 = CalibrationPlan.build(0, cfg, train, 24), CalibrationPlan.build(1, cfg, train, 24)
     assert p0.event and p0.shadow and not p1.event and not p1.shadow and not p0.per_minibatch
     updates = [(e, k) for e in range(2) for k in range(3)]
@@ -305,11 +305,26 @@ def test_plan_decides_events_off_policy_updates_and_rows():
     assert [p0.collects(e, k) for e, k in updates] == [False] + [True] * 5
     assert not any(p1.collects(e, k) or p1.shadow_forward(e, k) or p1.prepass(e, k) for e, k in updates)
     assert p0.all_rows and p0.shadow_rows == tuple(range(24))
+    assert (p0.solves, p1.solves, p0.smooth, p0.quantile) == (True, False, True, "same_tokens")
+    # per_step (the default): every step solves, unsmoothed, for the next step's tokens; shadow forwards on events only
+    ps = [CalibrationPlan.build(s, _cfg(calibrate_every=4), train, 24) for s in (0, 1)]
+    assert CalibrationConfig().bounds_update == "per_step" and all(p.per_step and p.solves for p in ps)
+    assert [ps[1].collects(e, k) for e, k in updates] == [False] + [True] * 5
+    assert ps[0].shadow and not ps[1].shadow and not any(ps[1].shadow_forward(e, k) for e, k in updates)
+    assert (ps[1].smooth, ps[1].quantile) == (False, "next_tokens")
+    # on_policy_bounds: open (default) frees the first update only; held keeps it at the calibrated bounds
+    assert [ps[1].open_bounds(e, k) for e, k in updates] == [True] + [False] * 5
+    assert [p0.open_bounds(e, k) for e, k in updates] == [True] + [False] * 5  # in every bounds_update mode
+    held = CalibrationPlan.build(1, _cfg(calibrate_every=4, on_policy_bounds="held"), train, 24)
+    assert not any(held.open_bounds(e, k) for e, k in updates)
+    index = torch.tensor([3, 7])
+    assert ps[1].fp8_row_mask(index, 2).tolist() == [True, True]  # per_step: every row feeds the FP8 statistics
     pm = CalibrationPlan.build(1, _cfg(calibrate_every=4, bounds_update="per_minibatch"), train, 24)
     assert [pm.prepass(e, k) for e, k in updates] == [False] + [True] * 5 and not pm.event
     static = CalibrationPlan.build(0, _cfg(target_source="static", static_alpha=0.1, static_rho=1.0, shadow_fraction=0.5), train, 24)
     assert static.event and not static.shadow and static.all_rows  # no shadow pass: every row feeds the solve
     assert not CalibrationPlan.build(0, CalibrationConfig(), train, 24).event
+    assert not CalibrationPlan.build(0, CalibrationConfig(), train, 24).solves  # calibration off: nothing at all
 
 
 def test_shadow_rows_are_a_seeded_rank_independent_draw():
