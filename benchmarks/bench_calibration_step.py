@@ -1,4 +1,4 @@
-"""What Calibrated Clipping costs per RL step: bounds_update off vs per_calibration vs per_minibatch, side by side.
+"""What Calibrated Clipping costs per RL step: off vs per_step (default) vs per_calibration vs per_minibatch, side by side.
 
     python benchmarks/bench_calibration_step.py [--rows 64] [--seq 32] [--micro-batch-size 16]
         [--minibatches 2] [--reps 5] [--recipe blockwise] [--no-world2] [--config examples/configs/tiny_fp8_grpo.yaml]
@@ -8,7 +8,9 @@ forwards the CalibrationPlan names, every mini-batch update, the step's solve), 
 examples/configs (default tiny_fp8_grpo.yaml: blockwise FP8 emulation, TIS on) and one synthetic step
 batch (random tokens and per-sequence advantages, rollout log-probs = the policy's own +- noise), for:
 
-    off                 calibration disabled (plain PPO clip at 1 -/+ eps)
+    off                 calibration disabled (plain PPO clip at 1 -/+ eps): vanilla low precision
+    per_step            the default: shadow forwards on calibration steps, and on every step one pooled solve over
+                        the FP8 ratios the training forwards computed (no extra forward)
     per_calibration     the paper: shadow forwards + one pooled solve on calibration steps only
     per_calibration@f   the same with algo.calibration.shadow_fraction = f (--fraction, default 0.25)
     per_minibatch       plus a no-grad FP8 pre-pass and a solve before every off-policy mini-batch
@@ -77,6 +79,7 @@ def variants(fraction: float) -> dict[str, list[str]]:
     """Config overrides of each variant."""
     return {
         "off": ["algo.calibration.enabled=false"],
+        "per_step": ["algo.calibration.enabled=true", "algo.calibration.bounds_update=per_step"],
         "per_calibration": ["algo.calibration.enabled=true", "algo.calibration.bounds_update=per_calibration"],
         f"per_calibration@{fraction:g}": ["algo.calibration.enabled=true", "algo.calibration.bounds_update=per_calibration",
                                           f"algo.calibration.shadow_fraction={fraction}"],
@@ -171,6 +174,7 @@ def measure(args) -> dict[str, Any]:
         evw, plw = statistics.median(times[v]["event_wall"]), statistics.median(times[v]["plain_wall"])
         out["step_s"][v] = {"event": ev, "plain": pl, "amortised": (ev + (every - 1) * pl) / every,
                             "amortised_wall": (evw + (every - 1) * plw) / every}
+    out["every_list"] = list(args.every)
     state.destroy_distributed()
     return out
 
@@ -191,6 +195,18 @@ def report(r: dict[str, Any]) -> None:
         print(f"{v:>20} {t['event'] * 1e3:>11.1f} {t['event'] / off['event']:>7.3f} {t['plain'] * 1e3:>11.1f}"
               f" {t['plain'] / off['plain']:>7.3f} {t['amortised'] * 1e3:>10.1f} {t['amortised'] / off['amortised']:>7.3f}"
               f" {extra:>8.1f} {t['amortised_wall'] / off['amortised_wall']:>11.3f} {b.get('event', 0):>13,} {b.get('plain', 0):>13,}")
+    every = r.get("every_list") or []
+    if every:
+        print("extra CPU % per step over off, amortised over other calibrate_every values:")
+        for v, t in s.items():
+            if v == "off":
+                continue
+            cells = []
+            for e in every:
+                amort = (t["event"] + (e - 1) * t["plain"]) / e
+                base = (off["event"] + (e - 1) * off["plain"]) / e
+                cells.append(f"every {e}: {100 * (amort - base) / base:+.1f}%")
+            print(f"{v:>20}  " + "  ".join(cells))
 
 
 def run_world2(args) -> Optional[dict[str, Any]]:
@@ -219,6 +235,8 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.25, help="shadow_fraction of the per_calibration@f variant")
     ap.add_argument("--vocab", type=int, default=50, help="vocabulary size (the tiny task's character tokenizer: 50)")
     ap.add_argument("--reps", type=int, default=5, help="timed rounds (each runs every variant's two steps)")
+    ap.add_argument("--every", type=int, nargs="*", default=[5, 10, 20],
+                    help="also print the cost amortised over these calibrate_every values")
     ap.add_argument("--no-world2", action="store_true", help="skip the 2-process gloo run")
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds allowed for the world-2 run")
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)

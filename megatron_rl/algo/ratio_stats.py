@@ -21,10 +21,11 @@ N = {t : A_t < 0}, P = {t : A_t > 0} (tokens with A_t = 0 belong to neither):
   step's, under `bounds_update: per_step`): the k-th order statistic of n draws covers, in
   expectation, k / (n + 1) of their distribution, so x_(k) applied to new tokens clips
   k / (n + 1) of them, not (k - 1) / n. It returns the value at position h = alpha (n + 1) on the
-  sorted ratios (Hyndman and Fan's type 6), linear in log r between x_(floor h) and x_(floor h + 1): in
-  expectation a fraction alpha of new tokens from the same distribution lies below it. h < 1 gives
-  0 (below every ratio: the caller's lower clamp), h > n the largest ratio times (1 + 1e-6). With
-  weights, positions are cumulative weights and n is the total weight. The histogram reads each
+  sorted ratios (Hyndman and Fan's type 6), linear in log r between x_(floor h) and x_(floor h + 1)
+  (h within 1e-6 of an integer k gives x_(k) itself): in expectation a fraction alpha of new tokens
+  from the same distribution lies below it. h < 1 gives 0 (below every ratio: the caller's lower
+  clamp), h > n the largest ratio times (1 + 1e-6). With weights, positions are cumulative weights
+  and n is the total weight. The histogram reads each
   token as the lower edge of its bin and interpolates between them in log r.
 - `neg_mass_from(L)` = C-(L) = sum_{t in N, r_t >= L} |A_t| r_t;
   `pos_mass_to(H)` = C+(H) = sum_{t in P, r_t <= H} A_t r_t.
@@ -159,24 +160,22 @@ class SampleStats:
 
 
 def _interpolate(cum_w: torch.Tensor, r: torch.Tensor, h: float) -> float:
-    """The ratio at cumulative weight `h` on sorted ratios `r` (cum_w[i]: weight up to and including r[i]), linear in log r between;
-    0 below the first sample's position, just above the largest ratio past the total weight."""
-    first, total = float(cum_w[0]), float(cum_w[-1])
-    if h < min(first, 1.0) - _COUNT_TOL:
+    """The ratio at cumulative weight `h` on sorted ratios `r` (cum_w[i]: weight up to and including r[i]): a sample's
+    own ratio when h is its position (within 1e-6), linear in log r between two samples; 0 below the first position
+    (h < 1 for unit weights), just above the largest ratio past the total weight."""
+    if h < min(float(cum_w[0]), 1.0) - _COUNT_TOL:
         return 0.0
-    if h > total + _COUNT_TOL:
+    if h > float(cum_w[-1]) + _COUNT_TOL:
         return float(r[-1]) * (1.0 + 1e-6)
     j = int(torch.searchsorted(cum_w, torch.tensor(h - _COUNT_TOL, dtype=cum_w.dtype, device=cum_w.device), right=False))
     j = min(j, r.numel() - 1)
-    if j == 0:
-        return float(r[0])
-    c0, c1 = float(cum_w[j - 1]), float(cum_w[j])
-    if h <= c0 + _COUNT_TOL or c1 <= c0:
-        return float(r[j - 1]) if h <= c0 + _COUNT_TOL else float(r[j])
-    t = min(max((h - c0) / (c1 - c0), 0.0), 1.0)
-    r0, r1 = float(r[j - 1]), float(r[j])
-    if t <= 0.0 or r0 <= 0.0:
-        return r0 if t <= 0.0 else r0 + t * (r1 - r0)
+    c1 = float(cum_w[j])
+    if j == 0 or c1 <= h + _COUNT_TOL:
+        return float(r[j])
+    c0, r0, r1 = float(cum_w[j - 1]), float(r[j - 1]), float(r[j])
+    t = (h - c0) / (c1 - c0)
+    if r0 <= 0.0:
+        return r0 + t * (r1 - r0)
     return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
 
 
@@ -286,7 +285,7 @@ class HistStats:
         k = max(1.0, math.floor(h + _COUNT_TOL))
         t = min(max(h - k, 0.0), 1.0)
         lo = self._log_edge(self._bin_of_token(k))
-        if t <= 0.0 or k + 1.0 > n + _COUNT_TOL:
+        if t <= _COUNT_TOL or k + 1.0 > n + _COUNT_TOL:
             return math.exp(lo)
         return math.exp(lo + t * (self._log_edge(self._bin_of_token(k + 1.0)) - lo))
 
