@@ -101,3 +101,19 @@ def test_rl_loss_clips_at_its_bounds_and_taps_the_plans_tokens(fraction, mode):
                         lower_max=algo.calibration.lower_max, upper_min=algo.calibration.upper_min,
                         upper_max=algo.calibration.upper_max, relax_only=True, quantile=plan.quantile)
     assert (sol.lower, sol.upper) == (want.lower, want.upper)
+
+
+def test_on_policy_only_rows_are_the_first_minibatch_of_a_single_epoch():
+    samples = [_sample([1, 2], [3, 4], gid=i // 4) for i in range(16)]
+    batch = batching.build_train_batch(samples, torch.randn(16), pad_id=0)
+    first = batching.minibatches(batch, 4, batching.minibatch_seed(3, 7, 0))[0]
+    assert batching.on_policy_only_rows(16, 4, 1, 3, 7) == tuple(sorted(first.sample_index.tolist()))
+    assert batching.on_policy_only_rows(16, 4, 2, 3, 7) == ()  # a second epoch trains every row off-policy
+    # the plan runs no shadow forward on them, and shadow_fraction draws from the rest
+    cfg = CalibrationConfig(enabled=True, calibrate_every=1)
+    skip = batching.on_policy_only_rows(16, 4, 1, 3, 7)
+    plan = CalibrationPlan.build(7, cfg, TrainConfig(num_minibatches=4), 16, skip_rows=skip)
+    assert set(plan.shadow_rows) == set(range(16)) - set(skip) and len(plan.shadow_rows) == 12
+    half = CalibrationPlan.build(7, cfg.model_copy(update={"shadow_fraction": 0.5}), TrainConfig(num_minibatches=4), 16,
+                                 skip_rows=skip)
+    assert len(half.shadow_rows) == 6 and not set(half.shadow_rows) & set(skip)

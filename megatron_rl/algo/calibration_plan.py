@@ -24,10 +24,12 @@ Decisions (docs/CALIBRATED_CLIPPING.md, "Which tokens a solve sees"):
   (target_source: shadow): pi_old_hp in the log-probs phase and the current policy's
   high-precision log-probs before every off-policy update, both on `shadow_rows` only.
 - `shadow_rows`: the step-batch rows (positions, i.e. TrainBatch.sample_index of the step
-  batch) whose tokens run the shadow forwards and feed the event's solve: all rows when
-  shadow_fraction = 1, else round(shadow_fraction * B) rows (at least 1) drawn with a generator
-  seeded by (calibration.seed, step), so every rank draws the same rows and the shadow cost falls
-  with the fraction.
+  batch) whose tokens run the shadow forwards and feed the event's solve, drawn from the rows an
+  off-policy update trains on (the caller's `skip_rows`, rows only the on-policy first update
+  trains, never feed a calibration statistic, so their shadow forward would be wasted): all of
+  them when shadow_fraction = 1, else round(shadow_fraction * candidates) rows (at least 1) drawn
+  with a generator seeded by (calibration.seed, step), so every rank draws the same rows and the
+  shadow cost falls with the fraction.
 - `off_policy(epoch, k)`: every update but the first of the step (epoch 0, mini-batch 0), whose
   ratios are exactly 1 in high precision and say nothing about clipping.
 - `open_bounds(epoch, k)`: on_policy_bounds: open: that first update trains at [lower_min, upper_max]
@@ -75,17 +77,22 @@ class CalibrationPlan:
     """on_policy_bounds: open (the step's first update trains at the guard rails' outer limits)."""
 
     @classmethod
-    def build(cls, step: int, cfg: CalibrationConfig, train: TrainConfig, batch_size: int) -> "CalibrationPlan":
-        """The plan of `step` for a step batch of `batch_size` rows."""
+    def build(cls, step: int, cfg: CalibrationConfig, train: TrainConfig, batch_size: int,
+              skip_rows: tuple[int, ...] = ()) -> "CalibrationPlan":
+        """The plan of `step` for a step batch of `batch_size` rows; `skip_rows` are trained by no off-policy update
+        (batching.on_policy_only_rows), so no shadow forward runs on them."""
         event = cfg.enabled and step % cfg.calibrate_every == 0
         shadow = event and cfg.target_source == "shadow"
         rows: tuple[int, ...] = ()
         if event:
-            rows = tuple(range(batch_size))
-            if shadow and cfg.shadow_fraction < 1.0 and batch_size > 0:
-                n = min(batch_size, max(1, round(cfg.shadow_fraction * batch_size)))
+            skip = set(skip_rows) if shadow else set()
+            candidates = [i for i in range(batch_size) if i not in skip]
+            rows = tuple(candidates)
+            if shadow and cfg.shadow_fraction < 1.0 and candidates:
+                n = min(len(candidates), max(1, round(cfg.shadow_fraction * len(candidates))))
                 g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-                rows = tuple(sorted(torch.randperm(batch_size, generator=g)[:n].tolist()))  # device-ok: a host-side draw of row numbers
+                pick = torch.randperm(len(candidates), generator=g)[:n].tolist()  # device-ok: a host-side draw of row numbers
+                rows = tuple(sorted(candidates[i] for i in pick))
         per_step = cfg.enabled and cfg.bounds_update == "per_step"
         return cls(step=step, enabled=cfg.enabled, event=event, shadow=shadow,
                    per_minibatch=cfg.enabled and cfg.bounds_update == "per_minibatch",
