@@ -110,7 +110,7 @@ def test_on_policy_only_rows_are_the_first_minibatch_of_a_single_epoch():
     assert batching.on_policy_only_rows(16, 4, 1, 3, 7) == tuple(sorted(first.sample_index.tolist()))
     assert batching.on_policy_only_rows(16, 4, 2, 3, 7) == ()  # a second epoch trains every row off-policy
     # the plan runs no shadow forward on them, and shadow_fraction draws from the rest
-    cfg = CalibrationConfig(enabled=True, calibrate_every=1)
+    cfg = CalibrationConfig(enabled=True, calibrate_every=1, shadow_fraction=1.0)
     skip = batching.on_policy_only_rows(16, 4, 1, 3, 7)
     plan = CalibrationPlan.build(7, cfg, TrainConfig(num_minibatches=4), 16, skip_rows=skip)
     assert set(plan.shadow_rows) == set(range(16)) - set(skip) and len(plan.shadow_rows) == 12

@@ -34,4 +34,5 @@ def test_calibration_device_check_runs_on_cpu():
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[PASS]")]
     names = {ln.split()[1] for ln in lines}
-    assert {"loss_allgather", "loss_histogram", "train_per_calibration_allgather", "train_per_minibatch_histogram"} <= names
+    assert {"loss_allgather", "loss_histogram", "train_per_step_allgather", "train_per_calibration_allgather",
+            "train_per_minibatch_histogram"} <= names
