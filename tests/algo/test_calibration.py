@@ -398,3 +398,30 @@ def test_local_collectives_are_identity():
     kept, weight = subsample_rows(rows, 4, torch.Generator().manual_seed(0))
     assert kept.shape == (4, 2) and weight == 1.5
     assert all(any(torch.equal(k, r) for r in rows) for k in kept)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_hp_mask_counts_only_the_shadow_tokens_in_the_targets(weighted):
+    """per_step with shadow_fraction < 1: the FP8 statistics take every token, the targets only those with a shadow
+    ratio (hp_mask), weighted or not; what lies outside the mask (zeros, NaN) never reaches them."""
+    g = torch.Generator().manual_seed(9)
+    n = 500
+    r8 = torch.exp(torch.randn(n, generator=g) * 0.3)
+    r_hp = torch.exp(torch.randn(n, generator=g) * 0.3)
+    a = torch.randn(n, generator=g)
+    known = torch.rand(n, generator=g) < 0.4
+    w = torch.rand(n, generator=g) * 2 if weighted else None
+    c = CalibratedClipper(_cfg(), eps_low=0.2, eps_high=0.28)
+    stats = c.new_stats(reference=True, weighted=weighted)
+    garbage = torch.where(known, r_hp, torch.full_like(r_hp, float("nan")))  # outside the mask: anything
+    stats.add(r8, a, ratio_hp=garbage, hp_mask=known, weight=w)
+    got = stats.reduce(None)
+    sub = c.new_stats(reference=True, weighted=weighted)
+    sub.add(r8[known], a[known], ratio_hp=r_hp[known], weight=None if w is None else w[known])
+    want = sub.reduce(None).targets
+    assert (got.targets.alpha, got.targets.num_neg) == (pytest.approx(want.alpha, rel=1e-12), pytest.approx(want.num_neg))
+    assert got.targets.rho == pytest.approx(want.rho, rel=1e-12)
+    every = c.new_stats(weighted=weighted)
+    every.add(r8, a, weight=w)
+    assert got.fp8.num_neg == pytest.approx(every.reduce(None).fp8.num_neg)  # FP8: every token
+    assert got.fp8.lower_quantile(0.1) == every.reduce(None).fp8.lower_quantile(0.1)
