@@ -9,9 +9,11 @@ examples/configs (default tiny_fp8_grpo.yaml: blockwise FP8 emulation, TIS on) a
 batch (random tokens and per-sequence advantages, rollout log-probs = the policy's own +- noise), for:
 
     off                 calibration disabled (plain PPO clip at 1 -/+ eps): vanilla low precision
-    per_step            the default: shadow forwards on calibration steps, and on every step one pooled solve over
-                        the FP8 ratios the training forwards computed (no extra forward)
-    per_calibration     the paper: shadow forwards + one pooled solve on calibration steps only
+    per_step            the default settings: shadow forwards on calibration steps (shadow_fraction 0.5), and on
+                        every step one pooled solve over the FP8 ratios the training forwards computed (no extra
+                        forward)
+    per_step@1          the same with every off-policy row in the shadow (shadow_fraction 1)
+    per_calibration     the paper: shadow forwards (shadow_fraction 1) + one pooled solve on calibration steps only
     per_calibration@f   the same with algo.calibration.shadow_fraction = f (--fraction, default 0.25)
     per_minibatch       plus a no-grad FP8 pre-pass and a solve before every off-policy mini-batch
 
@@ -115,14 +117,17 @@ class CalibrationClock:
 
 
 def variants(fraction: float) -> dict[str, list[str]]:
-    """Config overrides of each variant."""
+    """Config overrides of each variant (on top of --config's calibration settings, e.g. calibrate_every)."""
+    on = "algo.calibration.enabled=true"
+    paper = [on, "algo.calibration.on_policy_bounds=held", "algo.calibration.shadow_fraction=1.0"]
     return {
         "off": ["algo.calibration.enabled=false"],
-        "per_step": ["algo.calibration.enabled=true", "algo.calibration.bounds_update=per_step"],
-        "per_calibration": ["algo.calibration.enabled=true", "algo.calibration.bounds_update=per_calibration"],
-        f"per_calibration@{fraction:g}": ["algo.calibration.enabled=true", "algo.calibration.bounds_update=per_calibration",
+        "per_step": [on, "algo.calibration.bounds_update=per_step"],
+        "per_step@1": [on, "algo.calibration.bounds_update=per_step", "algo.calibration.shadow_fraction=1.0"],
+        "per_calibration": [*paper, "algo.calibration.bounds_update=per_calibration"],
+        f"per_calibration@{fraction:g}": [*paper, "algo.calibration.bounds_update=per_calibration",
                                           f"algo.calibration.shadow_fraction={fraction}"],
-        "per_minibatch": ["algo.calibration.enabled=true", "algo.calibration.bounds_update=per_minibatch"],
+        "per_minibatch": [*paper, "algo.calibration.bounds_update=per_minibatch"],
     }
 
 
