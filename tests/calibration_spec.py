@@ -158,8 +158,9 @@ def check_run_dumps(run_dir, rows: list[dict], *, ranks: int, eps_low: float, ep
                     quantile: str = "same_tokens", **clamps) -> list[int]:
     """Recompute every dumped step's solve with `spec_solve` and compare with its metrics row; returns the checked steps.
 
-    A step whose dumps hold high-precision ratios is a calibration event (its targets come from them); a dumped step
-    without any (per_step's ordinary steps) solves at the targets the previous row held. `quantile` is the run's
+    A step whose dumps hold high-precision ratios is a calibration event (its targets come from them; checked when its
+    tokens have both advantage signs); a dumped step without any (per_step's ordinary steps) solves at the targets
+    the previous row held (always checked). `quantile` is the run's
     (next_tokens under per_step). Exact for the allgather backend. For the histogram backend pass its bin width
     (in log r): alpha and rho are still exact (their sums are), L must lie within one bin of the spec's L_raw, and H
     is only checked to respect the guard rails (it comes from the histogram's own C+ at its own L).
@@ -177,8 +178,10 @@ def check_run_dumps(run_dir, rows: list[dict], *, ranks: int, eps_low: float, ep
             assert event or held is not None, f"step {row['step']}: an ordinary step's solve before any targets"
             want = spec_solve(d["ratio"], d["ratio_hp"] if event else None, d["adv"], eps_low=eps_low, eps_high=eps_high,
                               previous=previous, targets=None if event else held, quantile=quantile, **clamps)
+            # an event with one advantage sign only keeps the other side's old target (the spec recomputes it from
+            # this event alone), so only events with both signs are compared; a solve at held targets always is
             both_signs = (d["adv"] < 0).any() and (d["adv"] > 0).any()
-            if both_signs:
+            if both_signs or not event:
                 step = row["step"]
                 assert row["calib/alpha_target"] == want.alpha, (step, row["calib/alpha_target"], want.alpha)
                 assert math.isclose(row["calib/rho_target"], want.rho, rel_tol=1e-9), (step, row["calib/rho_target"], want.rho)
