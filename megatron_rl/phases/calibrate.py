@@ -22,9 +22,9 @@ Ratio dumps (tracking.dump_ratios): `RUN_DIR/calibration/step_{step:06d}.rank{r}
 DP x CP rank r (= dp_rank * cp_size + cp_rank) of the last stage, TP rank 0 only, on every solving
 step, holding the tokens the step's solve pooled: `ratio` (FP8, float64, after the loss's log-ratio
 clamp), `ratio_hp` (float64; nan without a shadow pass or outside the shadow rows), `adv` (float64)
-and `minibatch` (int64: the update index epoch * num_minibatches + k). With the allgather backend and no rank over max_samples_per_rank the
-union of the files is exactly the solve's token set (tokens with A = 0 are in the files and in
-neither N nor P).
+and `minibatch` (int64: the update index epoch * num_minibatches + k). With the allgather backend and
+no rank over max_samples_per_rank the union of the files is exactly the solve's token set (tokens
+with A = 0 are in the files and in neither N nor P).
 """
 from __future__ import annotations
 
