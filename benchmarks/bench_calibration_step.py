@@ -1,4 +1,4 @@
-"""What Calibrated Clipping costs per RL step: bounds_update off vs per_calibration vs per_minibatch, side by side.
+"""What Calibrated Clipping costs per RL step: off vs per_step (default) vs per_calibration vs per_minibatch, side by side.
 
     python benchmarks/bench_calibration_step.py [--rows 64] [--seq 32] [--micro-batch-size 16]
         [--minibatches 2] [--reps 5] [--recipe blockwise] [--no-world2] [--config examples/configs/tiny_fp8_grpo.yaml]
@@ -8,8 +8,12 @@ forwards the CalibrationPlan names, every mini-batch update, the step's solve), 
 examples/configs (default tiny_fp8_grpo.yaml: blockwise FP8 emulation, TIS on) and one synthetic step
 batch (random tokens and per-sequence advantages, rollout log-probs = the policy's own +- noise), for:
 
-    off                 calibration disabled (plain PPO clip at 1 -/+ eps)
-    per_calibration     the paper: shadow forwards + one pooled solve on calibration steps only
+    off                 calibration disabled (plain PPO clip at 1 -/+ eps): vanilla low precision
+    per_step            the default settings: shadow forwards on calibration steps (shadow_fraction 0.5), and on
+                        every step one pooled solve over the FP8 ratios the training forwards computed (no extra
+                        forward)
+    per_step@1          the same with every off-policy row in the shadow (shadow_fraction 1)
+    per_calibration     the paper: shadow forwards (shadow_fraction 1) + one pooled solve on calibration steps only
     per_calibration@f   the same with algo.calibration.shadow_fraction = f (--fraction, default 0.25)
     per_minibatch       plus a no-grad FP8 pre-pass and a solve before every off-policy mini-batch
 
@@ -19,7 +23,10 @@ built from the same seed (the same initial weights). It prints medians per varia
 CPU time (on a shared machine wall time mostly measures the other jobs; the wall-time ratio is printed
 too) for a calibration step and an ordinary step, their ratio to `off`, and the cost per step amortised
 over calibrate_every (calibration step + (calibrate_every - 1) ordinary steps), plus the bytes one rank
-receives per step for the ratio statistics (counted on the collectives that ran). World 1 runs in this process; unless
+receives per step for the ratio statistics (counted on the collectives that ran). Step-to-step noise on a
+loaded box is several percent, more than the per-step work of per_step, so it also prints the CPU time
+spent inside the calibration code paths themselves (CalibrationClock: shadow forwards, pre-passes, the loss's
+statistics tap, solves) as a share of off's step. World 1 runs in this process; unless
 --no-world2 the same global batch then runs as DP=2 on two gloo processes (torch.distributed.run),
 where the statistics really travel. One CPU thread per process.
 """
@@ -73,14 +80,54 @@ class CollectiveCounter:
         return self._dist.all_reduce(tensor, **kw)
 
 
+class CalibrationClock:
+    """Process CPU time spent inside the calibration code paths (shadow forwards, pre-passes, statistics, solves):
+    the extra work itself, measured where it runs, so it does not drown in the step-to-step noise of a loaded box."""
+
+    def __init__(self) -> None:
+        """Start at zero."""
+        self.total = 0.0
+        self._depth = 0
+
+    def wrap(self, fn):
+        """`fn` with its CPU time added to `total` (outermost call only: the wrapped paths call each other)."""
+        clock = self
+
+        def timed(*args, **kwargs):
+            if clock._depth:
+                return fn(*args, **kwargs)
+            clock._depth += 1
+            c0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock.total += time.process_time() - c0
+                clock._depth -= 1
+        return timed
+
+    def install(self) -> None:
+        """Wrap the calibration code paths of one step: the shadow pi_old forward, StepCalibration's per-update work
+        (shadow pi_theta forwards, per_minibatch pre-pass and solve) and end-of-step solve, the loss's statistics tap."""
+        from megatron_rl.phases import calibrate, logprobs, loss
+
+        logprobs._shadow_old_logprobs = self.wrap(logprobs._shadow_old_logprobs)
+        calibrate.StepCalibration.before_update = self.wrap(calibrate.StepCalibration.before_update)
+        calibrate.StepCalibration.finish = self.wrap(calibrate.StepCalibration.finish)
+        loss.RLLoss._collect = self.wrap(loss.RLLoss._collect)
+
+
 def variants(fraction: float) -> dict[str, list[str]]:
-    """Config overrides of each variant."""
+    """Config overrides of each variant (on top of --config's calibration settings, e.g. calibrate_every)."""
+    on = "algo.calibration.enabled=true"
+    paper = [on, "algo.calibration.on_policy_bounds=held", "algo.calibration.shadow_fraction=1.0"]
     return {
         "off": ["algo.calibration.enabled=false"],
-        "per_calibration": ["algo.calibration.enabled=true", "algo.calibration.bounds_update=per_calibration"],
-        f"per_calibration@{fraction:g}": ["algo.calibration.enabled=true", "algo.calibration.bounds_update=per_calibration",
+        "per_step": [on, "algo.calibration.bounds_update=per_step"],
+        "per_step@1": [on, "algo.calibration.bounds_update=per_step", "algo.calibration.shadow_fraction=1.0"],
+        "per_calibration": [*paper, "algo.calibration.bounds_update=per_calibration"],
+        f"per_calibration@{fraction:g}": [*paper, "algo.calibration.bounds_update=per_calibration",
                                           f"algo.calibration.shadow_fraction={fraction}"],
-        "per_minibatch": ["algo.calibration.enabled=true", "algo.calibration.bounds_update=per_minibatch"],
+        "per_minibatch": [*paper, "algo.calibration.bounds_update=per_minibatch"],
     }
 
 
@@ -145,8 +192,11 @@ def measure(args) -> dict[str, Any]:
                                       run_dir=Path(tempfile.gettempdir()))
     counter = CollectiveCounter(collectives.dist)
     collectives.dist = counter
+    clock = CalibrationClock()
+    clock.install()
     # process CPU time is the primary measure: on a shared, loaded machine wall time mostly measures the neighbours
-    times: dict[str, dict[str, list[float]]] = {v: {"event": [], "plain": [], "event_wall": [], "plain_wall": []} for v in names}
+    times: dict[str, dict[str, list[float]]] = {v: {"event": [], "plain": [], "event_wall": [], "plain_wall": [],
+                                                    "event_calib": [], "plain_calib": []} for v in names}
     bytes_per_step: dict[str, dict[str, int]] = {v: {} for v in names}
     order = list(names)
     for rep in range(args.reps + 1):  # round 0 warms up
@@ -155,10 +205,12 @@ def measure(args) -> dict[str, Any]:
             for kind, step in (("event", 0), ("plain", 1)):
                 dist.barrier()
                 counter.received = 0
+                clock.total = 0.0
                 t0, c0 = time.perf_counter(), time.process_time()
                 train_on_batch(sessions[v], batch, step, Timers())
                 if rep:
                     times[v][kind].append(time.process_time() - c0)
+                    times[v][f"{kind}_calib"].append(clock.total)
                     times[v][f"{kind}_wall"].append(time.perf_counter() - t0)
                     bytes_per_step[v][kind] = counter.received
     collectives.dist = counter._dist
@@ -169,8 +221,10 @@ def measure(args) -> dict[str, Any]:
     for v in names:
         ev, pl = statistics.median(times[v]["event"]), statistics.median(times[v]["plain"])
         evw, plw = statistics.median(times[v]["event_wall"]), statistics.median(times[v]["plain_wall"])
+        evc, plc = statistics.median(times[v]["event_calib"]), statistics.median(times[v]["plain_calib"])
         out["step_s"][v] = {"event": ev, "plain": pl, "amortised": (ev + (every - 1) * pl) / every,
-                            "amortised_wall": (evw + (every - 1) * plw) / every}
+                            "amortised_wall": (evw + (every - 1) * plw) / every, "event_calib": evc, "plain_calib": plc}
+    out["every_list"] = list(args.every)
     state.destroy_distributed()
     return out
 
@@ -191,6 +245,29 @@ def report(r: dict[str, Any]) -> None:
         print(f"{v:>20} {t['event'] * 1e3:>11.1f} {t['event'] / off['event']:>7.3f} {t['plain'] * 1e3:>11.1f}"
               f" {t['plain'] / off['plain']:>7.3f} {t['amortised'] * 1e3:>10.1f} {t['amortised'] / off['amortised']:>7.3f}"
               f" {extra:>8.1f} {t['amortised_wall'] / off['amortised_wall']:>11.3f} {b.get('event', 0):>13,} {b.get('plain', 0):>13,}")
+    print("CPU ms inside the calibration code paths (shadow forwards, pre-passes, statistics, solves; medians), "
+          "and as % of off's step:")
+    for v, t in s.items():
+        if v == "off":
+            continue
+        parts = [f"calib step {t['event_calib'] * 1e3:6.1f} ms ({100 * t['event_calib'] / off['event']:5.1f}%)",
+                 f"other step {t['plain_calib'] * 1e3:6.1f} ms ({100 * t['plain_calib'] / off['plain']:5.2f}%)"]
+        for e in r.get("every_list") or [r["calibrate_every"]]:
+            amort = (t["event_calib"] + (e - 1) * t["plain_calib"]) / e
+            parts.append(f"every {e}: {100 * amort / off['amortised']:.2f}%")
+        print(f"{v:>20}  " + "  ".join(parts))
+    every = r.get("every_list") or []
+    if every:
+        print("extra CPU % per step over off, amortised over other calibrate_every values:")
+        for v, t in s.items():
+            if v == "off":
+                continue
+            cells = []
+            for e in every:
+                amort = (t["event"] + (e - 1) * t["plain"]) / e
+                base = (off["event"] + (e - 1) * off["plain"]) / e
+                cells.append(f"every {e}: {100 * (amort - base) / base:+.1f}%")
+            print(f"{v:>20}  " + "  ".join(cells))
 
 
 def run_world2(args) -> Optional[dict[str, Any]]:
@@ -219,6 +296,8 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.25, help="shadow_fraction of the per_calibration@f variant")
     ap.add_argument("--vocab", type=int, default=50, help="vocabulary size (the tiny task's character tokenizer: 50)")
     ap.add_argument("--reps", type=int, default=5, help="timed rounds (each runs every variant's two steps)")
+    ap.add_argument("--every", type=int, nargs="*", default=[5, 10, 20],
+                    help="also print the cost amortised over these calibrate_every values")
     ap.add_argument("--no-world2", action="store_true", help="skip the 2-process gloo run")
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds allowed for the world-2 run")
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)

@@ -55,7 +55,9 @@ def controller_rollout(session: RunSession, step: int, timers: Timers):
 def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dict:
     """Old log-probs (+ shadow rows), PPO epochs over mini-batches at the plan's bounds, the step's calibration; finalized metrics."""
     cfg, learner, mbs = session.cfg, session.learner, session.cfg.train.micro_batch_size
-    plan = CalibrationPlan.build(step, cfg.algo.calibration, cfg.train, batch.batch_size)
+    plan = CalibrationPlan.build(step, cfg.algo.calibration, cfg.train, batch.batch_size,
+                                 skip_rows=batching.on_policy_only_rows(batch.batch_size, cfg.train.num_minibatches,
+                                                                        cfg.train.ppo_epochs, cfg.train.seed, step))
     probed = health.probe_rows(learner, mbs) if cfg.train.health.check_updated_policy else None
     with timers("logprobs"):
         batch, metrics = logprobs.old_logprobs(learner, batch, mbs, plan=plan, reference=session.reference, probe_rows=probed)
@@ -64,10 +66,10 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
     sums, learner_metrics = None, {}
     with timers("train"):
         for epoch in range(cfg.train.ppo_epochs):
-            for k, mb in enumerate(batching.minibatches(batch, cfg.train.num_minibatches, seed=cfg.train.seed * 7919 + step * 31 + epoch)):
+            for k, mb in enumerate(batching.minibatches(batch, cfg.train.num_minibatches, batching.minibatch_seed(cfg.train.seed, step, epoch))):
                 mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode, batching.agg_max_len(cfg)), state.dp_rank(), state.dp_size())
                 mb, bounds, tap = calib.before_update(learner, mb, epoch, k)
-                loss_fn = RLLoss(cfg.algo, bounds, tap)
+                loss_fn = RLLoss(cfg.algo, bounds, tap, off_policy=plan.off_policy(epoch, k))
                 out = learner.train_step(mb, loss_fn, mbs)
                 sums = add_sums(sums, loss_fn.sums or {})
                 learner_metrics = add_sums(learner_metrics, {k: _t(v) for k, v in out.items()})

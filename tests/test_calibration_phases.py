@@ -97,3 +97,58 @@ def test_step_calibration_follows_the_plan(world_of_one, mode):
         # only an event's off-policy update feeds the step's statistics
         assert taps[0] is None and (taps[1] is not None) == (step == 0)
         assert calib.finish()["calib/alpha_target"] == 0.1
+
+
+class MovingLearner(RecordingLearner):
+    """A RecordingLearner whose policy moves: every update shifts each token's log-prob by -shift * (token % 3) / 10."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = 0.0
+
+    def policy(self, batch: TrainBatch, hp: bool) -> torch.Tensor:
+        """The log-probs of the current policy (FP8 adds a token-dependent offset high precision lacks)."""
+        ids = batch.input_ids.float()
+        return -(ids % 7) / 10 - self.shift * (ids % 3) / 10 - (0.0 if hp else 0.03 * torch.sin(ids * (1 + self.shift)))
+
+    def forward_logprobs(self, batch: TrainBatch, micro_batch_size: int):
+        super().forward_logprobs(batch, micro_batch_size)
+        lp = self.policy(batch, high_precision_active())
+        return lp, torch.zeros_like(lp)
+
+
+def test_per_step_solves_every_step_from_the_training_forwards_alone(world_of_one):
+    """per_step: an ordinary step runs no forward of its own (its statistics come from the loss of its off-policy
+    updates), ends with a solve at the held targets, and the next step trains with that solve; the on-policy update
+    trains at the open bounds [lower_min, upper_max]."""
+    from megatron_rl.phases.loss import RLLoss
+
+    cfg = _cfg("algo.calibration.calibrate_every=2")
+    assert cfg.algo.calibration.bounds_update == "per_step" and cfg.algo.calibration.on_policy_bounds == "open"
+    clipper = CalibratedClipper(cfg.algo.calibration, eps_low=0.2, eps_high=0.2)
+    batch = _batch(rows=32)
+    learner = MovingLearner()
+    held = []
+    for step in (0, 1, 2):
+        plan = CalibrationPlan.build(step, cfg.algo.calibration, cfg.train, batch.batch_size)
+        step_batch, _ = logprobs.old_logprobs(learner, batch, 4, plan=plan)
+        learner.calls.clear()
+        calib = StepCalibration(clipper, plan, cfg, "/nonexistent")
+        used = []
+        for k, mb in enumerate(batching.minibatches(step_batch, 2, seed=step)):
+            mb, bounds, tap = calib.before_update(learner, mb, 0, k)
+            used.append(tuple(float(b) for b in bounds))
+            mb = batching.with_token_weights(mb, "token-mean")
+            lp = learner.policy(mb, hp=False)  # the training forward's log-probs (not a forward StepCalibration asked for)
+            RLLoss(cfg.algo, bounds, tap, off_policy=plan.off_policy(0, k))(lp, torch.zeros_like(lp), mb, None)
+            learner.shift += 1.5 + step  # the update moves the policy, further on every step
+        # the event's shadow forward is the only forward StepCalibration runs; an ordinary step runs none
+        assert [hp for hp, _ in learner.calls] == ([True] if plan.event else [])
+        metrics = calib.finish()
+        assert used[0] == (pytest.approx(0.05), pytest.approx(10.0))  # open on-policy update
+        assert used[1] == (held[-1] if held else (pytest.approx(0.8), pytest.approx(1.2)))  # the previous step's solve
+        assert "calib/solve_lower" in metrics  # every step solves
+        assert 0 < clipper.targets.alpha < 1 and metrics["calib/alpha_target"] == clipper.targets.alpha
+        held.append((pytest.approx(clipper.lower), pytest.approx(clipper.upper)))
+    assert len({h[0].expected for h in held}) == 3, held  # three steps, three different solves
+    assert sum(0.05 < h[0].expected < 0.8 for h in held) >= 2, held  # solved inside the guard rails

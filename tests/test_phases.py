@@ -2,10 +2,11 @@
 import pytest
 import torch
 
-from megatron_rl.algo.calibration import calibrate_bounds, reference_targets
+from megatron_rl.algo.calibration import reference_targets, solve_bounds
 from megatron_rl.algo.calibration_plan import CalibrationPlan
 from megatron_rl.algo.clipper import CalibratedClipper
 from megatron_rl.algo.objective import policy_objective
+from megatron_rl.algo.ratio_stats import SampleStats
 from megatron_rl.config.algo import AlgoConfig, CalibrationConfig
 from megatron_rl.phases import batching
 from megatron_rl.config.train import TrainConfig
@@ -55,8 +56,9 @@ class _Ctx:
     micro_batch_index = 0
 
 
+@pytest.mark.parametrize("mode", ["per_calibration", "per_step"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-def test_rl_loss_clips_at_its_bounds_and_taps_the_plans_tokens(fraction):
+def test_rl_loss_clips_at_its_bounds_and_taps_the_plans_tokens(fraction, mode):
     torch.manual_seed(0)
     samples = [_sample([1, 2], [3, 4, 5, 6], gid=i // 4) for i in range(8)]
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.2, -0.2])
@@ -66,7 +68,8 @@ def test_rl_loss_clips_at_its_bounds_and_taps_the_plans_tokens(fraction):
     cur_hp = old_hp + 0.3 * torch.randn_like(old)
     batch = batch.with_fields(old_logprobs=old, old_logprobs_hp=old_hp, logprobs_hp=cur_hp)
     logprobs = (old + 0.3 * torch.randn_like(old)).requires_grad_()
-    algo = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1, smoothing=0.0, shadow_fraction=fraction))
+    algo = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1, smoothing=0.0, shadow_fraction=fraction,
+                                                    bounds_update=mode))
     plan = CalibrationPlan.build(0, algo.calibration, TrainConfig(num_minibatches=2), batch_size=8)
     clipper = CalibratedClipper(algo.calibration, eps_low=0.2, eps_high=0.2)
     stats = clipper.new_stats(reference=True, record=True)
@@ -78,19 +81,39 @@ def test_rl_loss_clips_at_its_bounds_and_taps_the_plans_tokens(fraction):
                               rollout_logprobs=batch.rollout_logprobs, entropy=torch.zeros_like(old), cfg=algo)
     torch.testing.assert_close(loss, ref)
     assert "hp/clipfrac_lower_neg/num" in loss_fn.sums and "clipfrac_lower_neg/num" in loss_fn.sums
-    # the tap holds exactly the valid tokens of the shadow rows, with the ratios the objective clips
+    # the tap holds the valid tokens with the ratios the objective clips: per_calibration the shadow rows only,
+    # per_step every row's FP8 ratio (the next step's bounds) and the shadow rows' high-precision ratio (the targets)
     rows = torch.tensor([i in plan.shadow_rows for i in range(8)])
     mask = (batch.loss_mask > 0) & rows[:, None]
+    fp8 = (batch.loss_mask > 0) & (torch.ones(8, dtype=torch.bool) if mode == "per_step" else rows)[:, None]
     assert (len(plan.shadow_rows) == 8) == (fraction == 1.0)
     dumped = stats.dump_arrays()
-    assert torch.equal(torch.from_numpy(dumped["ratio"]), torch.exp((logprobs.detach() - old).clamp(-20, 20))[mask].double())
-    assert torch.equal(torch.from_numpy(dumped["ratio_hp"]), torch.exp(cur_hp - old_hp)[mask].double())
-    assert dumped["minibatch"].tolist() == [1] * int(mask.sum())
-    # and the solve over it is the one-shot solve over those tokens
-    sol = clipper.solve(stats)
+    assert torch.equal(torch.from_numpy(dumped["ratio"]), torch.exp((logprobs.detach() - old).clamp(-20, 20))[fp8].double())
+    want_hp = torch.where(mask, torch.exp(cur_hp - old_hp), torch.full_like(old, float("nan")))[fp8].double()
+    torch.testing.assert_close(torch.from_numpy(dumped["ratio_hp"]), want_hp, equal_nan=True, rtol=0, atol=0)
+    assert dumped["minibatch"].tolist() == [1] * int(fp8.sum())
+    # and the solve over it is the one-shot solve over those tokens: targets from the shadow rows, L and H from `fp8`
+    sol = clipper.solve(stats, quantile=plan.quantile)
     targets = reference_targets(torch.exp(cur_hp - old_hp)[mask], batch.advantages[mask], eps_low=0.2, eps_high=0.2)
-    lower, upper = calibrate_bounds(torch.exp(logprobs.detach() - old)[mask], batch.advantages[mask], targets,
-                                    eps_low=0.2, eps_high=0.2, lower_min=algo.calibration.lower_min,
-                                    lower_max=algo.calibration.lower_max, upper_min=algo.calibration.upper_min,
-                                    upper_max=algo.calibration.upper_max, relax_only=True)
-    assert (sol.lower, sol.upper) == (float(lower), float(upper))
+    assert (clipper.targets.alpha, clipper.targets.rho) == (targets.alpha, pytest.approx(targets.rho, rel=1e-12))
+    want = solve_bounds(SampleStats(torch.exp(logprobs.detach() - old)[fp8], batch.advantages[fp8]), targets,
+                        eps_low=0.2, eps_high=0.2, lower_min=algo.calibration.lower_min,
+                        lower_max=algo.calibration.lower_max, upper_min=algo.calibration.upper_min,
+                        upper_max=algo.calibration.upper_max, relax_only=True, quantile=plan.quantile)
+    assert (sol.lower, sol.upper) == (want.lower, want.upper)
+
+
+def test_on_policy_only_rows_are_the_first_minibatch_of_a_single_epoch():
+    samples = [_sample([1, 2], [3, 4], gid=i // 4) for i in range(16)]
+    batch = batching.build_train_batch(samples, torch.randn(16), pad_id=0)
+    first = batching.minibatches(batch, 4, batching.minibatch_seed(3, 7, 0))[0]
+    assert batching.on_policy_only_rows(16, 4, 1, 3, 7) == tuple(sorted(first.sample_index.tolist()))
+    assert batching.on_policy_only_rows(16, 4, 2, 3, 7) == ()  # a second epoch trains every row off-policy
+    # the plan runs no shadow forward on them, and shadow_fraction draws from the rest
+    cfg = CalibrationConfig(enabled=True, calibrate_every=1, shadow_fraction=1.0)
+    skip = batching.on_policy_only_rows(16, 4, 1, 3, 7)
+    plan = CalibrationPlan.build(7, cfg, TrainConfig(num_minibatches=4), 16, skip_rows=skip)
+    assert set(plan.shadow_rows) == set(range(16)) - set(skip) and len(plan.shadow_rows) == 12
+    half = CalibrationPlan.build(7, cfg.model_copy(update={"shadow_fraction": 0.5}), TrainConfig(num_minibatches=4), 16,
+                                 skip_rows=skip)
+    assert len(half.shadow_rows) == 6 and not set(half.shadow_rows) & set(skip)

@@ -24,9 +24,14 @@ KILL_STEP = 2
 def setup(tmp_path_factory):
     """(overrides, rows of the uninterrupted reference run)."""
     warm = warm_start(tmp_path_factory)
-    overrides = tiny_overrides(warm, f"train.steps={STEPS}", "checkpoint.save_every=1", "tracking.log_samples=16")
+    # a calibration event at steps 0 and 3 only: the killed step 2 and the step before it are ordinary per_step
+    # solves at targets held from step 0, so the resume must restore held targets and bounds, not only an event's
+    overrides = tiny_overrides(warm, f"train.steps={STEPS}", "checkpoint.save_every=1", "tracking.log_samples=16",
+                               "algo.calibration.calibrate_every=3")
     reference = train(tmp_path_factory.mktemp("resume") / "reference", overrides)
     assert [r["step"] for r in reference] == list(range(STEPS))
+    assert [("hp/clipfrac" in r, "calib/solve_lower" in r) for r in reference] == [(True, True), (False, True),
+                                                                                  (False, True), (True, True)]
     return overrides, reference
 
 

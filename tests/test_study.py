@@ -85,6 +85,8 @@ def test_run_values_follow_their_definitions():
     assert v("entropy (max)") == 5.0
     assert v("clipfrac_lower_neg, high precision (shadow)") == pytest.approx(0.1)        # sparse: its own steps
     assert v("alpha target") == 0.5                                                      # calibration steps only
+    window = results.run_value(rows, by["clipfrac_lower_neg (from step N)"], 0.4, {}, from_step=2)
+    assert window == pytest.approx((0.3 + 0.2 + 0.4) / 3)                                # steps 2.. only
     assert v("held-out accuracy after RL") == 0.25 and math.isnan(v("held-out accuracy before RL"))
     assert math.isnan(v("reward (mean)"))
     s = results.SeedStats([0.1, 0.3, math.nan])

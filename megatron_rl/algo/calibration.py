@@ -10,8 +10,11 @@ communication), and `reduce(group)` combines the ranks once per solve:
   alpha = |{N : r_hp < 1 - eps_low}| / |N|, rho = C+_hp(1 + eps_high) / C-_hp(1 - eps_low).
 
 `solve_bounds(stats, targets, ...)` then applies, in this order (guard rails of section 2.4):
-  1. L = the alpha-quantile of the FP8 negative ratios (k-th order statistic, k = floor(alpha |N|) + 1;
-     megatron_rl/algo/ratio_stats.py), kept at the previous L when N is empty;
+  1. L = the alpha-quantile of the FP8 negative ratios, kept at the previous L when N is empty: for bounds
+     applied to the tokens they were solved on (`quantile="same_tokens"`) the k-th order statistic,
+     k = floor(alpha |N|) + 1; for bounds applied to later tokens (`quantile="next_tokens"`, per_step) the
+     type-6 quantile at position alpha (|N| + 1), whose expected coverage of new tokens is alpha
+     (megatron_rl/algo/ratio_stats.py);
   2. clamp L to [lower_min, lower_max];
   3. relax_only: L = min(L, 1 - eps_low);
   4. H from the `upper` rule at that L (match_contribution: smallest H >= 1 with
@@ -183,14 +186,18 @@ class RatioStats:
         self.num_tokens = 0
 
     def add(self, ratio: torch.Tensor, adv: torch.Tensor, *, ratio_hp: Optional[torch.Tensor] = None, update: int = 0,
-            weight: Optional[torch.Tensor] = None) -> None:
+            weight: Optional[torch.Tensor] = None, hp_mask: Optional[torch.Tensor] = None) -> None:
         """Add 1-D FP8 ratios and advantages of valid tokens (and their high-precision ratios when collected; their
-        weights when the statistics are weighted)."""
+        weights when the statistics are weighted). `hp_mask` (bool per token) marks the tokens whose high-precision
+        ratio the reference sums count (per_step with shadow_fraction < 1: the FP8 statistics take every row, the
+        targets the shadow rows); without it every added token counts."""
         ratio, adv = ratio.detach().reshape(-1), adv.detach().reshape(-1)
         if ratio.shape != adv.shape:
             raise ValueError(f"ratio and adv must have the same number of tokens, got {ratio.numel()} and {adv.numel()}")
         if self.weighted != (weight is not None) or (weight is not None and weight.numel() != ratio.numel()):
             raise ValueError("weighted statistics need one weight per token (and unweighted ones none)")
+        if hp_mask is not None and hp_mask.numel() != ratio.numel():
+            raise ValueError(f"hp_mask needs one flag per token, got {hp_mask.numel()} for {ratio.numel()} tokens")
         if weight is not None:  # a non-finite or negative weight counts nothing
             weight = weight.detach().reshape(-1).to(torch.float64)
             weight = torch.where(torch.isfinite(weight) & (weight > 0), weight, torch.zeros_like(weight))
@@ -199,15 +206,21 @@ class RatioStats:
         # a non-finite token (a diverged forward the health guard skips) must not turn the bounds into NaN:
         # it becomes (r = 1, A = 0), in neither N nor P (torch.where keeps shapes static: no host sync)
         finite = torch.isfinite(ratio) & torch.isfinite(adv)
+        in_hp = None
         if ratio_hp is not None:
             ratio_hp = ratio_hp.detach().reshape(-1)
+            in_hp = torch.ones_like(finite) if hp_mask is None else hp_mask.detach().reshape(-1).to(torch.bool)
+            # outside hp_mask the high-precision ratio is not known (it may hold anything): it neither counts nor filters
+            ratio_hp = torch.where(in_hp, ratio_hp, torch.ones_like(ratio_hp))
             finite = finite & torch.isfinite(ratio_hp)
             ratio_hp = torch.where(finite, ratio_hp, torch.ones_like(ratio_hp))
         raw = (ratio, adv, ratio_hp)
         ratio = torch.where(finite, ratio, torch.ones_like(ratio))
         adv = torch.where(finite, adv, torch.zeros_like(adv))
         if self.collect_reference:
-            sums = reference_sums(ratio_hp, adv, eps_low=self.eps_low, eps_high=self.eps_high, weight=weight)
+            ref_w = in_hp.to(torch.float64) if weight is None else weight * in_hp
+            sums = reference_sums(ratio_hp, adv, eps_low=self.eps_low, eps_high=self.eps_high,
+                                  weight=None if hp_mask is None and weight is None else ref_w)
             self.reference = sums if self.reference is None else self.reference + sums
         if self.collect_fp8:
             if self.backend == "histogram":
@@ -219,7 +232,8 @@ class RatioStats:
             rec = {"ratio": raw[0][finite], "adv": raw[1][finite]}
             rec["minibatch"] = torch.full_like(rec["adv"], update, dtype=torch.int64)
             if ratio_hp is not None:
-                rec["ratio_hp"] = raw[2][finite]
+                hp = torch.where(in_hp, raw[2], torch.full_like(raw[2], math.nan))
+                rec["ratio_hp"] = hp[finite]
             self.records.append(rec)
         self.num_tokens += int(ratio.numel())
 
@@ -290,6 +304,10 @@ def _upper_fixed(stats: Stats, lower: float, targets: CalibrationTargets, eps_lo
     return 1.0 + eps_high
 
 
+QUANTILES = {"same_tokens": "lower_quantile", "next_tokens": "predictive_lower_quantile"}
+"""How L is read off the FP8 negative ratios: for the tokens the statistics hold, or for tokens not yet seen."""
+
+
 def _finite_or(x: Optional[float], fallback: float) -> float:
     return fallback if x is None or not math.isfinite(x) else x
 
@@ -316,11 +334,14 @@ def solve_bounds(
     relax_only: bool = False,
     previous: Optional[tuple[float, float]] = None,
     dtype: torch.dtype = torch.float32,
+    quantile: str = "same_tokens",
 ) -> BoundsSolution:
     """L and H from global statistics in the module docstring's order (no communication); `previous` (default 1 -/+ eps) fills an empty side."""
     rule = UPPER_RULES.get(upper)
+    if quantile not in QUANTILES:
+        raise ValueError(f"unknown calibration quantile {quantile!r}; choose one of {sorted(QUANTILES)}")
     prev_lo, prev_hi = (1.0 - eps_low, 1.0 + eps_high) if previous is None else (float(previous[0]), float(previous[1]))
-    raw_lo = stats.lower_quantile(targets.alpha)
+    raw_lo = getattr(stats, QUANTILES[quantile])(targets.alpha)
     lo = min(max(_finite_or(raw_lo, prev_lo), lower_min), lower_max)
     if relax_only:
         lo = min(lo, 1.0 - eps_low)

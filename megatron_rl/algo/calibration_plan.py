@@ -8,7 +8,12 @@ reads it to add each micro-batch's tokens to the step's statistics; the loop rea
 when to solve. The clipper (algo/clipper.py) holds state only.
 
 Decisions (docs/CALIBRATED_CLIPPING.md, "Which tokens a solve sees"):
-- `event`: this step is a calibration event (step % calibrate_every == 0). Under
+- `event`: this step is a calibration event (step % calibrate_every == 0): it refreshes the targets
+  (alpha, rho) from the high-precision shadow. Under `bounds_update: per_step` (the default) every
+  step, event or not, ends with one pooled solve over the FP8 ratios that its off-policy updates'
+  training forwards computed (every row, every micro-batch, every DP x CP rank; no extra forward),
+  at the targets held from the last event (refreshed first on an event), and the next step trains
+  with those bounds; its L is the quantile for unseen tokens (`quantile`). Under
   `bounds_update: per_calibration` the step's off-policy updates add their tokens to one pooled
   statistics object; the solve runs once at the END of the step, over all off-policy mini-batches,
   micro-batches and DP x CP ranks. The FP8 ratios of the last off-policy mini-batch exist only
@@ -19,12 +24,16 @@ Decisions (docs/CALIBRATED_CLIPPING.md, "Which tokens a solve sees"):
   (target_source: shadow): pi_old_hp in the log-probs phase and the current policy's
   high-precision log-probs before every off-policy update, both on `shadow_rows` only.
 - `shadow_rows`: the step-batch rows (positions, i.e. TrainBatch.sample_index of the step
-  batch) whose tokens run the shadow forwards and feed the event's solve: all rows when
-  shadow_fraction = 1, else round(shadow_fraction * B) rows (at least 1) drawn with a generator
-  seeded by (calibration.seed, step), so every rank draws the same rows and the shadow cost falls
-  with the fraction.
+  batch) whose tokens run the shadow forwards and feed the event's solve, drawn from the rows an
+  off-policy update trains on (the caller's `skip_rows`, rows only the on-policy first update
+  trains, never feed a calibration statistic, so their shadow forward would be wasted): all of
+  them when shadow_fraction = 1, else round(shadow_fraction * candidates) rows (at least 1) drawn
+  with a generator seeded by (calibration.seed, step), so every rank draws the same rows and the
+  shadow cost falls with the fraction.
 - `off_policy(epoch, k)`: every update but the first of the step (epoch 0, mini-batch 0), whose
   ratios are exactly 1 in high precision and say nothing about clipping.
+- `open_bounds(epoch, k)`: on_policy_bounds: open: that first update trains at [lower_min, upper_max]
+  (high precision clips none of its tokens; FP8 noise alone would).
 - `prepass(epoch, k)`: per_minibatch: a no-grad FP8 forward of the current policy over the whole
   mini-batch before its update, one pooled solve at the held targets, and that update trains
   with the result.
@@ -62,23 +71,34 @@ class CalibrationPlan:
     """Rows of the step batch."""
     shadow_rows: tuple[int, ...] = ()
     """Sorted step-batch rows whose tokens run the shadow forwards and feed the event (all rows at fraction 1)."""
+    per_step: bool = False
+    """bounds_update: per_step (a pooled solve at the end of every step over its own off-policy FP8 ratios)."""
+    open_on_policy: bool = False
+    """on_policy_bounds: open (the step's first update trains at the guard rails' outer limits)."""
 
     @classmethod
-    def build(cls, step: int, cfg: CalibrationConfig, train: TrainConfig, batch_size: int) -> "CalibrationPlan":
-        """The plan of `step` for a step batch of `batch_size` rows."""
+    def build(cls, step: int, cfg: CalibrationConfig, train: TrainConfig, batch_size: int,
+              skip_rows: tuple[int, ...] = ()) -> "CalibrationPlan":
+        """The plan of `step` for a step batch of `batch_size` rows; `skip_rows` are trained by no off-policy update
+        (batching.on_policy_only_rows), so no shadow forward runs on them."""
         event = cfg.enabled and step % cfg.calibrate_every == 0
         shadow = event and cfg.target_source == "shadow"
         rows: tuple[int, ...] = ()
         if event:
-            rows = tuple(range(batch_size))
-            if shadow and cfg.shadow_fraction < 1.0 and batch_size > 0:
-                n = min(batch_size, max(1, round(cfg.shadow_fraction * batch_size)))
+            skip = set(skip_rows) if shadow else set()
+            candidates = [i for i in range(batch_size) if i not in skip]
+            rows = tuple(candidates)
+            if shadow and cfg.shadow_fraction < 1.0 and candidates:
+                n = min(len(candidates), max(1, round(cfg.shadow_fraction * len(candidates))))
                 g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-                rows = tuple(sorted(torch.randperm(batch_size, generator=g)[:n].tolist()))  # device-ok: a host-side draw of row numbers
+                pick = torch.randperm(len(candidates), generator=g)[:n].tolist()  # device-ok: a host-side draw of row numbers
+                rows = tuple(sorted(candidates[i] for i in pick))
+        per_step = cfg.enabled and cfg.bounds_update == "per_step"
         return cls(step=step, enabled=cfg.enabled, event=event, shadow=shadow,
                    per_minibatch=cfg.enabled and cfg.bounds_update == "per_minibatch",
                    num_minibatches=train.num_minibatches, ppo_epochs=train.ppo_epochs, batch_size=batch_size,
-                   shadow_rows=rows)
+                   shadow_rows=rows, per_step=per_step,
+                   open_on_policy=cfg.enabled and cfg.on_policy_bounds == "open")
 
     @property
     def all_rows(self) -> bool:
@@ -93,9 +113,28 @@ class CalibrationPlan:
         """Every update but the step's first is off-policy."""
         return self.update_index(epoch, k) > 0
 
+    @property
+    def solves(self) -> bool:
+        """Whether this step ends with a pooled solve (every step under per_step, else calibration events only)."""
+        return self.per_step or self.event
+
+    @property
+    def quantile(self) -> str:
+        """How the step's solve reads L (calibration.QUANTILES): per_step bounds apply to the next step's tokens."""
+        return "next_tokens" if self.per_step else "same_tokens"
+
+    @property
+    def smooth(self) -> bool:
+        """Whether the step's solve goes through the EMA (`smoothing`): event solves, except under per_step."""
+        return not self.per_step
+
     def collects(self, epoch: int, k: int) -> bool:
-        """Whether update (epoch, k) adds its shadow-row tokens to the event's pooled statistics."""
-        return self.event and self.off_policy(epoch, k)
+        """Whether update (epoch, k) adds tokens to the step's pooled statistics (off-policy updates of a solving step)."""
+        return self.solves and self.off_policy(epoch, k)
+
+    def open_bounds(self, epoch: int, k: int) -> bool:
+        """Whether update (epoch, k) trains at the guard rails' outer limits (on_policy_bounds: open, the first update)."""
+        return self.open_on_policy and not self.off_policy(epoch, k)
 
     def shadow_forward(self, epoch: int, k: int) -> bool:
         """Whether the current policy's high-precision log-probs are needed before update (epoch, k)."""
@@ -104,6 +143,14 @@ class CalibrationPlan:
     def prepass(self, epoch: int, k: int) -> bool:
         """Whether update (epoch, k) is preceded by a no-grad FP8 forward and a pooled solve (per_minibatch)."""
         return self.per_minibatch and self.off_policy(epoch, k)
+
+    def fp8_row_mask(self, sample_index: Optional[torch.Tensor], rows: int) -> torch.Tensor:
+        """[rows] bool: which rows feed the FP8 statistics (per_step: every row; otherwise the event's shadow rows)."""
+        if self.per_step:
+            if sample_index is None:
+                return torch.ones(rows, dtype=torch.bool)  # device-ok: no row tensor to take a device from; the caller moves it
+            return torch.ones_like(sample_index, dtype=torch.bool)
+        return self.row_mask(sample_index, rows)
 
     def row_mask(self, sample_index: Optional[torch.Tensor], rows: int) -> torch.Tensor:
         """[rows] bool on sample_index's device: which rows of a (mini/micro-)batch are shadow rows."""

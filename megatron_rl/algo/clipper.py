@@ -14,6 +14,8 @@ reduce the statistics over `group` (one collective round, every rank of the grou
 if they hold high-precision sums (a calibration event), update the targets; if they hold FP8
 statistics and targets exist, solve L and H and hold them: with `smooth`, new = smoothing * held +
 (1 - smoothing) * solved (the first solve of a run is taken as is); without, the solution itself.
+The solve's `quantile` says whom the bounds are for: the tokens solved on (per_calibration's event,
+per_minibatch's pre-pass) or the next step's (per_step, which re-solves every step).
 The state lives on the last pipeline stage (where the loss runs); the loop copies it to the other
 stages after every step, so what rank 0 logs and checkpoints is the last stage's.
 """
@@ -55,8 +57,10 @@ class CalibratedClipper:
         return RatioStats(self.cfg.backend, fp8=fp8, reference=reference, eps_low=self.eps_low, eps_high=self.eps_high,
                           hist_spec=self.hist_spec, record=record, weighted=weighted)
 
-    def solve(self, stats: RatioStats, group: Optional[object] = None, *, smooth: bool = True) -> Optional[BoundsSolution]:
-        """Reduce `stats` over `group`, update targets and held bounds (see module docstring); the solution, or None when none ran."""
+    def solve(self, stats: RatioStats, group: Optional[object] = None, *, smooth: bool = True,
+              quantile: str = "same_tokens") -> Optional[BoundsSolution]:
+        """Reduce `stats` over `group`, update targets and held bounds (see module docstring); the solution, or None when none ran.
+        `quantile` (calibration.QUANTILES): same_tokens for bounds applied to the solved tokens, next_tokens for later ones."""
         c = self.cfg
         reduced = stats.reduce(group, max_samples_per_rank=c.max_samples_per_rank, generator=self.generator)
         if reduced.targets is not None:
@@ -66,7 +70,7 @@ class CalibratedClipper:
         sol = solve_bounds(
             reduced.fp8, self.targets, eps_low=self.eps_low, eps_high=self.eps_high, upper=c.upper,
             lower_min=c.lower_min, lower_max=c.lower_max, upper_min=c.upper_min, upper_max=c.upper_max,
-            relax_only=c.relax_only, previous=(self.lower, self.upper),
+            relax_only=c.relax_only, previous=(self.lower, self.upper), quantile=quantile,
         )
         s = c.smoothing if smooth and self.solved else 0.0
         self.lower = _f32(s * self.lower + (1.0 - s) * sol.lower)
@@ -77,8 +81,13 @@ class CalibratedClipper:
 
     def bounds(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The held (lower, upper) as 0-d float32 tensors on `device` (the loss data's device)."""
-        return (torch.tensor(self.lower, dtype=torch.float32, device=device),
-                torch.tensor(self.upper, dtype=torch.float32, device=device))
+        return self.as_bounds(self.lower, self.upper, device)
+
+    @staticmethod
+    def as_bounds(lower: float, upper: float, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lower, upper) as the loss takes them: 0-d float32 tensors on `device` (never Python floats: no recompiles)."""
+        return (torch.tensor(_f32(lower), dtype=torch.float32, device=device),
+                torch.tensor(_f32(upper), dtype=torch.float32, device=device))
 
     def metrics(self) -> dict[str, float]:
         """Held bounds, targets, and the achieved alpha/rho of the last solve (nan where undefined)."""

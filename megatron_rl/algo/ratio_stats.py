@@ -17,6 +17,16 @@ N = {t : A_t < 0}, P = {t : A_t > 0} (tokens with A_t = 0 belong to neither):
   cumulative weight exceeds alpha * |N|. When k > |N| (alpha = 1) L is the largest negative
   ratio times (1 + 1e-6), so every negative token lies below it. The histogram returns the lower
   edge of the bin holding x_(k) (never more tokens below, |log L - log x_(k)| < bin width).
+- `predictive_lower_quantile(alpha)` is the bound for tokens the statistics did not see (the next
+  step's, under `bounds_update: per_step`): the k-th order statistic of n draws covers, in
+  expectation, k / (n + 1) of their distribution, so x_(k) applied to new tokens clips
+  k / (n + 1) of them, not (k - 1) / n. It returns the value at position h = alpha (n + 1) on the
+  sorted ratios (Hyndman and Fan's type 6), linear in log r between x_(floor h) and x_(floor h + 1)
+  (h within 1e-6 of an integer k gives x_(k) itself): in expectation a fraction alpha of new tokens
+  from the same distribution lies below it. h < 1 gives 0 (below every ratio: the caller's lower
+  clamp), h > n the largest ratio times (1 + 1e-6). With weights, positions are cumulative weights
+  and n is the total weight. The histogram reads each
+  token as the lower edge of its bin and interpolates between them in log r.
 - `neg_mass_from(L)` = C-(L) = sum_{t in N, r_t >= L} |A_t| r_t;
   `pos_mass_to(H)` = C+(H) = sum_{t in P, r_t <= H} A_t r_t.
 - `smallest_upper(target)`: the smallest H >= 1 with C+(H) >= target (H is 1 or a positive
@@ -111,6 +121,14 @@ class SampleStats:
             return float(self.neg.r[-1]) * (1.0 + 1e-6)
         return float(self.neg.r[k])
 
+    def predictive_lower_quantile(self, alpha: float) -> Optional[float]:
+        """The type-6 alpha-quantile for unseen tokens (module docstring); None when N is empty."""
+        side = self.neg
+        if not side.r.numel():
+            return None
+        h = alpha * (side.count + 1.0)
+        return _interpolate(side.cum_w, side.r, h)
+
     def neg_mass_from(self, lower: float) -> float:
         """C-(L) = sum over N with r >= L of |A| r."""
         if not self.neg.r.numel():
@@ -139,6 +157,26 @@ class SampleStats:
         if j >= self.pos.r.numel():
             return max(1.0, float(self.pos.r[-1]))
         return max(1.0, float(self.pos.r[j]))
+
+
+def _interpolate(cum_w: torch.Tensor, r: torch.Tensor, h: float) -> float:
+    """The ratio at cumulative weight `h` on sorted ratios `r` (cum_w[i]: weight up to and including r[i]): a sample's
+    own ratio when h is its position (within 1e-6), linear in log r between two samples; 0 below the first position
+    (h < 1 for unit weights), just above the largest ratio past the total weight."""
+    if h < min(float(cum_w[0]), 1.0) - _COUNT_TOL:
+        return 0.0
+    if h > float(cum_w[-1]) + _COUNT_TOL:
+        return float(r[-1]) * (1.0 + 1e-6)
+    j = int(torch.searchsorted(cum_w, torch.tensor(h - _COUNT_TOL, dtype=cum_w.dtype, device=cum_w.device), right=False))
+    j = min(j, r.numel() - 1)
+    c1 = float(cum_w[j])
+    if j == 0 or c1 <= h + _COUNT_TOL:
+        return float(r[j])
+    c0, r0, r1 = float(cum_w[j - 1]), float(r[j - 1]), float(r[j])
+    t = (h - c0) / (c1 - c0)
+    if r0 <= 0.0:
+        return r0 + t * (r1 - r0)
+    return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
 
 
 @dataclass(frozen=True)
@@ -230,6 +268,31 @@ class HistStats:
             last = int(torch.nonzero(self.h[0]).max())
             return math.exp(self._log_edge(last + 1))
         return math.exp(self._log_edge(b))
+
+    def predictive_lower_quantile(self, alpha: float) -> Optional[float]:
+        """The type-6 alpha-quantile for unseen tokens (module docstring); None when N is empty.
+
+        Token k is read as the lower edge of its bin (as `lower_quantile` reads x_(k)), and position h lies between
+        tokens floor(h) and floor(h) + 1, linear in log r: within one bin width of the exact samples' answer."""
+        n = self.num_neg
+        if n <= 0:
+            return None
+        h = alpha * (n + 1.0)
+        if h < 1.0 - _COUNT_TOL:
+            return 0.0
+        if h > n + _COUNT_TOL:
+            return self.lower_quantile(1.0)
+        k = max(1.0, math.floor(h + _COUNT_TOL))
+        t = min(max(h - k, 0.0), 1.0)
+        lo = self._log_edge(self._bin_of_token(k))
+        if t <= _COUNT_TOL or k + 1.0 > n + _COUNT_TOL:
+            return math.exp(lo)
+        return math.exp(lo + t * (self._log_edge(self._bin_of_token(k + 1.0)) - lo))
+
+    def _bin_of_token(self, k: float) -> int:
+        """Index of the bin holding the k-th smallest negative ratio (1-based; weighted counts)."""
+        thr = torch.tensor(k - _COUNT_TOL, dtype=torch.float64, device=self.cum.device)
+        return min(int(torch.searchsorted(self.cum[0], thr, right=False)), self.spec.bins + 1)
 
     def neg_mass_from(self, lower: float) -> float:
         """C-(L), linear inside L's bin."""

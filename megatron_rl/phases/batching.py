@@ -49,11 +49,29 @@ def build_train_batch(samples: Sequence[Sample], advantages: torch.Tensor, pad_i
                       rollout_logprobs=rollout_lp, sample_index=torch.arange(b))  # device-ok: host-side batch
 
 
+def minibatch_seed(train_seed: int, step: int, epoch: int) -> int:
+    """Seed of the row shuffle of `step`'s epoch `epoch` (every rank draws the same permutation)."""
+    return train_seed * 7919 + step * 31 + epoch
+
+
+def _minibatch_rows(batch_size: int, num_minibatches: int, seed: int) -> list[torch.Tensor]:
+    """Row indices of each mini-batch: a seeded shuffle cut into equal parts."""
+    perm = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed))  # device-ok: seeded CPU draw, same on every rank
+    size = batch_size // num_minibatches
+    return [perm[k * size:(k + 1) * size] for k in range(num_minibatches)]
+
+
 def minibatches(batch: TrainBatch, num_minibatches: int, seed: int) -> list[TrainBatch]:
     """Shuffle rows (same permutation on every rank) and cut them into equal mini-batches."""
-    perm = torch.randperm(batch.batch_size, generator=torch.Generator().manual_seed(seed))  # device-ok: seeded CPU draw, same on every rank
-    size = batch.batch_size // num_minibatches
-    return [batch.select(perm[k * size:(k + 1) * size]) for k in range(num_minibatches)]
+    return [batch.select(rows) for rows in _minibatch_rows(batch.batch_size, num_minibatches, seed)]
+
+
+def on_policy_only_rows(batch_size: int, num_minibatches: int, ppo_epochs: int, train_seed: int, step: int) -> tuple[int, ...]:
+    """Rows that only the step's first (on-policy) update trains on: its mini-batch's rows with one epoch, none with
+    more (a later epoch trains every row off-policy). No calibration statistic needs their high-precision log-probs."""
+    if ppo_epochs > 1 or num_minibatches < 2:
+        return ()
+    return tuple(sorted(_minibatch_rows(batch_size, num_minibatches, minibatch_seed(train_seed, step, 0))[0].tolist()))
 
 
 def agg_max_len(cfg) -> int:

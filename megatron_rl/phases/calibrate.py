@@ -9,21 +9,22 @@
 - `before_update`: the current policy's high-precision log-probs on the shadow rows (event steps,
   off-policy updates); under per_minibatch the no-grad FP8 pre-pass and its pooled solve (over the
   DP group: after the forward every CP rank holds whole rows, so DP alone covers each token once);
-  returns the bounds the update trains with and the tap through which the loss adds its tokens.
+  returns the bounds the update trains with (the guard rails' outer limits for an open on-policy
+  update) and the tap through which the loss adds its tokens.
 - Under rollout.overlap=one_step_off (samples one weight version old) every token enters the statistics
   with the rollout-correction weight the loss gives it (phases/loss.py `correction_weight`).
-- `finish`: on an event, the one pooled solve over the DP x CP group of the last stage (every rank
-  of it calls the collectives, even with no tokens; TP replicas are separate groups, each counts
-  once), the ratio dumps, then the last stage's clipper state is copied to every stage so rank 0
-  logs and checkpoints it.
+- `finish`: on a solving step (every step under per_step, else an event), the one pooled solve over
+  the DP x CP group of the last stage (every rank of it calls the collectives, even with no tokens;
+  TP replicas are separate groups, each counts once), the ratio dumps, then the last stage's clipper
+  state is copied to every stage so rank 0 logs and checkpoints it.
 
 Ratio dumps (tracking.dump_ratios): `RUN_DIR/calibration/step_{step:06d}.rank{r}.npz` from every
-DP x CP rank r (= dp_rank * cp_size + cp_rank) of the last stage, TP rank 0 only, holding the tokens
-the event's solve pooled: `ratio` (FP8, float64, after the loss's log-ratio clamp), `ratio_hp`
-(float64; nan without a shadow pass), `adv` (float64) and `minibatch` (int64: the update index
-epoch * num_minibatches + k). With the allgather backend and no rank over max_samples_per_rank the
-union of the files is exactly the solve's token set (tokens with A = 0 are in the files and in
-neither N nor P).
+DP x CP rank r (= dp_rank * cp_size + cp_rank) of the last stage, TP rank 0 only, on every solving
+step, holding the tokens the step's solve pooled: `ratio` (FP8, float64, after the loss's log-ratio
+clamp), `ratio_hp` (float64; nan without a shadow pass or outside the shadow rows), `adv` (float64)
+and `minibatch` (int64: the update index epoch * num_minibatches + k). With the allgather backend and
+no rank over max_samples_per_rank the union of the files is exactly the solve's token set (tokens
+with A = 0 are in the files and in neither N nor P).
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class StepCalibration:
         self.algo = cfg.algo
         # one_step_off trains on samples of the previous weights: tokens count by their rollout-correction weight
         self.weighted = cfg.rollout.overlap == "one_step_off"
-        if clipper is not None and plan.event:
+        if clipper is not None and plan.solves:
             self.stats = clipper.new_stats(fp8=True, reference=plan.shadow, record=self.dump, weighted=self.weighted)
         self.solution: Optional[BoundsSolution] = None
 
@@ -80,6 +81,9 @@ class StepCalibration:
         if p.prepass(epoch, k) and self.clipper.targets is not None:
             self._prepass(learner, mb)
         tap = CalibrationTap(p, self.stats, p.update_index(epoch, k)) if p.collects(epoch, k) else None
+        if p.open_bounds(epoch, k):
+            c = self.clipper.cfg
+            return mb, CalibratedClipper.as_bounds(c.lower_min, c.upper_max), tap
         return mb, self.clipper.bounds(), tap
 
     def _prepass(self, learner, mb: TrainBatch) -> None:
@@ -99,7 +103,8 @@ class StepCalibration:
         if self.clipper is None:
             return {}
         if self.stats is not None and state.is_last_stage():
-            self.solution = self.clipper.solve(self.stats, state.dp_cp_group(), smooth=True) or self.solution
+            self.solution = self.clipper.solve(self.stats, state.dp_cp_group(), smooth=self.plan.smooth,
+                                               quantile=self.plan.quantile) or self.solution
             if self.dump and state.tp_rank() == 0:
                 self._write_dump()
         shared = share_from_last_stage((self.clipper.state_dict(), self.solution))

@@ -62,32 +62,35 @@ class RLLoss:
     """Callable `loss_fn(logprobs, entropy, mb, ctx)` for Learner.train_step."""
 
     def __init__(self, algo: AlgoConfig, bounds: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 tap: Optional[CalibrationTap] = None) -> None:
-        """Clip at `bounds` (default 1 -/+ eps); with `tap`, add each micro-batch's calibration tokens to tap.stats."""
+                 tap: Optional[CalibrationTap] = None, off_policy: bool = False) -> None:
+        """Clip at `bounds` (default 1 -/+ eps); with `tap`, add each micro-batch's calibration tokens to tap.stats;
+        `off_policy` updates also report their clip fractions under offpolicy/ (what a calibration solve targets)."""
         self.algo = algo
         self.bounds = bounds
         self.tap = tap
+        self.off_policy = off_policy
         self.sums: Optional[dict[str, torch.Tensor]] = None
         """Metric sums of this rank's micro-batches (vector histograms included), reduced by the loop."""
 
     def _collect(self, logprobs: torch.Tensor, mb: TrainBatch) -> dict[str, torch.Tensor]:
-        """Add this micro-batch's shadow-row tokens to the step's statistics; returns the shadow metrics in sum form."""
+        """Add this micro-batch's tokens to the step's statistics (FP8: the plan's FP8 rows; high precision: the shadow
+        rows of an event); returns the shadow metrics in sum form."""
         tap, clamp = self.tap, self.algo.policy_loss.log_ratio_clamp
         valid = mb.loss_mask > 0
-        rows = tap.plan.row_mask(mb.sample_index, mb.batch_size).to(valid.device)
-        tokens = valid & rows[:, None]
+        tokens = valid & tap.plan.fp8_row_mask(mb.sample_index, mb.batch_size).to(valid.device)[:, None]
         # the same clamp and formula as the objective, so the solve sees the ratios the loss clips
         ratio = torch.exp(log_ratio(logprobs.detach(), mb.old_logprobs, clamp))
         extra: dict[str, torch.Tensor] = {}
-        ratio_hp = None
+        ratio_hp, hp_mask = None, None
         if tap.stats.collect_reference:
             if mb.logprobs_hp is None or mb.old_logprobs_hp is None:
                 raise ValueError("a shadow update needs logprobs_hp and old_logprobs_hp in its micro-batches")
+            shadow = valid & tap.plan.row_mask(mb.sample_index, mb.batch_size).to(valid.device)[:, None]
             lr_hp = log_ratio(mb.logprobs_hp, mb.old_logprobs_hp, clamp)
             ratio_hp_full = torch.exp(lr_hp)
-            ratio_hp = ratio_hp_full[tokens]
+            ratio_hp, hp_mask = ratio_hp_full[tokens], shadow[tokens]
             lo_ref, hi_ref = default_bounds(self.algo, device=ratio.device)
-            shadow_mask = tokens.to(mb.loss_mask.dtype)
+            shadow_mask = shadow.to(mb.loss_mask.dtype)
             extra.update(M.clip_fraction_sums(ratio_hp_full, mb.advantages, shadow_mask, lo_ref, hi_ref, prefix="hp/"))
             extra.update(M.clip_fraction_sums(ratio, mb.advantages, shadow_mask, lo_ref, hi_ref, prefix="uncalibrated/"))
             # FP8 ratio noise: how far the FP8 log-ratio sits from the high-precision one, token by token.
@@ -95,7 +98,8 @@ class RLLoss:
             extra.update(M.masked_mean_sums("fp8/log_ratio_abs_err", noise, shadow_mask))
         # weighted (one_step_off): stale tokens count as much as the loss weighs them, so the solve sees pi_old's mix
         weight = correction_weight(mb, self.algo).to(valid.device)[tokens] if tap.stats.weighted else None
-        tap.stats.add(ratio[tokens], mb.advantages[tokens], ratio_hp=ratio_hp, update=tap.update, weight=weight)
+        tap.stats.add(ratio[tokens], mb.advantages[tokens], ratio_hp=ratio_hp, update=tap.update, weight=weight,
+                      hp_mask=None if hp_mask is None or bool(hp_mask.all()) else hp_mask)
         return extra
 
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: TrainBatch, ctx) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -108,6 +112,8 @@ class RLLoss:
             rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy, cfg=self.algo,
             rollout_weight=mb.rollout_weight,
         )
+        if self.off_policy:
+            sums.update({f"offpolicy/{k}": v for k, v in sums.items() if k.startswith("clipfrac")})
         sums.update(extra)
         self.sums = M.add_sums(self.sums, sums)
         return loss, {}

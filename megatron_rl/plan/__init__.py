@@ -228,13 +228,19 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     calib_step, calib_per_step = 0, 0.0
     if calib.enabled:
         tokens_per_rank = int(samples * seq_len / t.num_minibatches / (dp * lay.cp))
-        per_update = calib.bounds_update != "per_calibration"
-        solves = microbatches * t.num_minibatches * t.ppo_epochs if per_update else 1
-        calib_step = throughput.calibration_step_bytes(
-            calib.backend, world_size=dp * lay.cp, tokens_per_rank=tokens_per_rank, solves=solves,
-            max_samples_per_rank=calib.max_samples_per_rank, hist_bins=calib.hist_bins,
-            hist_log_min=calib.hist_log_min, hist_log_max=calib.hist_log_max)
-        calib_per_step = calib_step if per_update else calib_step / calib.calibrate_every
+        off_policy = t.num_minibatches * t.ppo_epochs - 1
+        kw = dict(world_size=dp * lay.cp, max_samples_per_rank=calib.max_samples_per_rank, hist_bins=calib.hist_bins,
+                  hist_log_min=calib.hist_log_min, hist_log_max=calib.hist_log_max)
+        # an event: the targets' reduce + one solve over the step's off-policy tokens; per_step repeats that solve on
+        # every step; per_minibatch adds a pre-pass solve per off-policy mini-batch on every step
+        event = throughput.calibration_step_bytes(calib.backend, tokens_per_rank=tokens_per_rank * off_policy, solves=1, **kw)
+        targets = throughput.calibration_step_bytes(calib.backend, tokens_per_rank=0, solves=0, **kw)
+        every_step = {"per_step": event - targets,
+                      "per_minibatch": throughput.calibration_step_bytes(calib.backend, tokens_per_rank=tokens_per_rank,
+                                                                         solves=off_policy, **kw) - targets,
+                      }.get(calib.bounds_update, 0)
+        calib_step = event + (every_step if calib.bounds_update == "per_minibatch" else 0)
+        calib_per_step = every_step + (calib_step - every_step) / calib.calibrate_every
 
     mean_response = response * opt.response_fill
     tokens = samples * (opt.prompt_tokens + mean_response)

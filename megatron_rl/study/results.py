@@ -17,8 +17,9 @@ from typing import Any, Optional, Sequence
 
 from megatron_rl.config.yaml_io import load_yaml_file
 
-CALIBRATION_ROW_KEYS = ("calib/solve_lower", "hp/clipfrac_lower_neg")
-"""A metrics row is a calibration (shadow) step when one of these is a finite number."""
+CALIBRATION_ROW_KEYS = ("hp/clipfrac_lower_neg",)
+"""A metrics row is a calibration (shadow) step when one of these is a finite number (under bounds_update per_step
+every step solves, so a solve alone does not make one)."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,8 @@ class MetricDef:
     label: str
     key: str
     reduce: str
-    """mean (finite values over all steps), tail (last tail_fraction of steps), max, calib (calibration steps), eval."""
+    """mean (finite values over all steps), window (steps from the spec's from_step on), tail (last tail_fraction of
+    steps), max, calib (calibration steps), eval."""
     definition: str
 
 
@@ -37,6 +39,11 @@ METRICS = (
               "fraction of negative-advantage tokens whose ratio is below the lower bound L (the paper's quantity); mean over all steps"),
     MetricDef("clipfrac_lower_neg, high precision (shadow)", "hp/clipfrac_lower_neg", "mean",
               "the same fraction under the high-precision shadow ratios; mean over the steps that ran the shadow pass"),
+    MetricDef("clipfrac_lower_neg (from step N)", "clipfrac_lower_neg", "window",
+              "the same fraction; mean over the steps from the spec's from_step on (after the first calibration solve took effect)"),
+    MetricDef("off-policy clipfrac_lower_neg (from step N)", "offpolicy/clipfrac_lower_neg", "window",
+              "the fraction over the off-policy updates only, at the bounds they trained with (what alpha aims at); mean "
+              "over the steps from from_step on"),
     MetricDef("clipfrac_upper_pos", "clipfrac_upper_pos", "mean",
               "fraction of positive-advantage tokens whose ratio is above the upper bound H; mean over all steps"),
     MetricDef("entropy (last)", "entropy", "tail", "mean token entropy of the policy; mean over the last tail_fraction of steps"),
@@ -61,12 +68,15 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def run_value(rows: Sequence[dict], metric: MetricDef, tail_fraction: float, evals: dict[str, float]) -> float:
+def run_value(rows: Sequence[dict], metric: MetricDef, tail_fraction: float, evals: dict[str, float],
+              from_step: int = 0) -> float:
     """One run's value of `metric` (nan when the run has no finite value for it)."""
     if metric.reduce == "eval":
         v = evals.get(metric.key, math.nan)
         return float(v) if _finite(v) else math.nan
-    if metric.reduce == "tail":
+    if metric.reduce == "window":
+        rows = [r for r in rows if r.get("step", 0) >= from_step]
+    elif metric.reduce == "tail":
         rows = rows[len(rows) - max(1, math.ceil(len(rows) * tail_fraction)):] if rows else rows
     elif metric.reduce == "calib":
         calib = [r for r in rows if any(_finite(r.get(k)) for k in CALIBRATION_ROW_KEYS)]
@@ -201,12 +211,13 @@ def collect(study, steps: int) -> list[RunRecord]:
     return records
 
 
-def arm_stats(records: Sequence[RunRecord], arms: Sequence[str], tail_fraction: float) -> dict[str, dict[str, SeedStats]]:
+def arm_stats(records: Sequence[RunRecord], arms: Sequence[str], tail_fraction: float,
+              from_step: int = 0) -> dict[str, dict[str, SeedStats]]:
     """{arm: {metric label: SeedStats over the arm's finished seeds}}."""
     out: dict[str, dict[str, SeedStats]] = {}
     for arm in arms:
         runs = [r for r in records if r.arm == arm and r.status == "done"]
-        out[arm] = {m.label: SeedStats([run_value(r.rows, m, tail_fraction, r.evals) for r in runs]) for m in METRICS}
+        out[arm] = {m.label: SeedStats([run_value(r.rows, m, tail_fraction, r.evals, from_step) for r in runs]) for m in METRICS}
     return out
 
 
@@ -215,7 +226,7 @@ def _relative(metric: MetricDef, arm: SeedStats, ref: SeedStats) -> str:
     a, b = arm.mean, ref.mean
     if not (math.isfinite(a) and math.isfinite(b)):
         return "n/a"
-    if metric.key.startswith(("clipfrac", "hp/clipfrac", "fp8/")):
+    if metric.key.startswith(("clipfrac", "hp/clipfrac", "offpolicy/clipfrac", "fp8/")):
         return f"{a / b:.3g}x" if b != 0 else "n/a (reference 0)"
     return f"{a - b:+.4g}"
 
@@ -229,8 +240,9 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
     """Write <output_dir>/RESULTS.md: arms, per-arm statistics over seeds, comparison to the reference arm, runs, definitions, figures."""
     spec = study.spec
     arms = [a.name for a in spec.arms]
-    stats = arm_stats(records, arms, spec.tail_fraction)
+    stats = arm_stats(records, arms, spec.tail_fraction, spec.from_step)
     tail_pct = f"{100 * spec.tail_fraction:g}%"
+    label = lambda m: m.label.replace("(last)", f"(last {tail_pct})").replace("step N", f"step {spec.from_step}")  # noqa: E731
     done = sum(r.status == "done" for r in records)
     lines = [
         f"# Study results: {study.spec_path.name}",
@@ -254,7 +266,7 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
         "## Results: mean ± std [min, max] over finished seeds",
         "",
         *_table(["metric", *arms],
-                [[m.label.replace("(last)", f"(last {tail_pct})"), *(stats[a][m.label].cell() for a in arms)] for m in METRICS]),
+                [[label(m), *(stats[a][m.label].cell() for a in arms)] for m in METRICS]),
         "",
     ]
     others = [a for a in arms if a != spec.reference]
@@ -266,8 +278,7 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
             "Clip fractions and log-ratio errors: ratio of seed means; everything else: difference of seed means.",
             "",
             *_table(["metric", *others],
-                    [[m.label.replace("(last)", f"(last {tail_pct})"), *(_relative(m, stats[a][m.label], ref[m.label]) for a in others)]
-                     for m in METRICS]),
+                    [[label(m), *(_relative(m, stats[a][m.label], ref[m.label]) for a in others)] for m in METRICS]),
             "",
         ]
     lines += [
@@ -285,7 +296,8 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
         "",
         "## Metric definitions",
         "",
-        f"One value per run, then mean / sample std / min / max over the arm's finished seeds (tail_fraction = {spec.tail_fraction:g}).",
+        f"One value per run, then mean / sample std / min / max over the arm's finished seeds (tail_fraction = "
+        f"{spec.tail_fraction:g}, from_step = {spec.from_step}).",
         "",
         *(f"- **{m.label}** (`{m.key}`): {m.definition}." for m in METRICS),
         "",

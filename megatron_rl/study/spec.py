@@ -95,6 +95,8 @@ class StudySpec(StrictConfig):
     """Learner processes per run (torchrun when > 1)."""
     tail_fraction: float = 0.2
     """'last' metrics average the last this fraction of steps."""
+    from_step: int = 0
+    """'from step N' metrics average the steps from this one on (e.g. once the first calibration solve took effect)."""
     smooth_window: int = 5
     """Centered rolling-mean window (steps) of the dense curves in curves.png (1: raw)."""
 
@@ -112,6 +114,7 @@ class StudySpec(StrictConfig):
         if self.reference_arm is not None and self.reference_arm not in names:
             raise ValueError(f"reference_arm {self.reference_arm!r} is not one of the arms {names}")
         for name, value, low in (("checkpoint_every", self.checkpoint_every, 1), ("torch_threads", self.torch_threads, 1),
+                                 ("from_step", self.from_step, 0),
                                  ("nproc", self.nproc, 1), ("smooth_window", self.smooth_window, 1)):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")

@@ -297,7 +297,7 @@ def test_plan_decides_events_off_policy_updates_and_rows():
     from megatron_rl.config.train import TrainConfig
 
     train = TrainConfig(num_minibatches=3, ppo_epochs=2)
-    cfg = _cfg(calibrate_every=4)
+    cfg = _cfg(calibrate_every=4, bounds_update="per_calibration")
     p0, p1 = CalibrationPlan.build(0, cfg, train, 24), CalibrationPlan.build(1, cfg, train, 24)
     assert p0.event and p0.shadow and not p1.event and not p1.shadow and not p0.per_minibatch
     updates = [(e, k) for e in range(2) for k in range(3)]
@@ -305,11 +305,26 @@ def test_plan_decides_events_off_policy_updates_and_rows():
     assert [p0.collects(e, k) for e, k in updates] == [False] + [True] * 5
     assert not any(p1.collects(e, k) or p1.shadow_forward(e, k) or p1.prepass(e, k) for e, k in updates)
     assert p0.all_rows and p0.shadow_rows == tuple(range(24))
+    assert (p0.solves, p1.solves, p0.smooth, p0.quantile) == (True, False, True, "same_tokens")
+    # per_step (the default): every step solves, unsmoothed, for the next step's tokens; shadow forwards on events only
+    ps = [CalibrationPlan.build(s, _cfg(calibrate_every=4), train, 24) for s in (0, 1)]
+    assert CalibrationConfig().bounds_update == "per_step" and all(p.per_step and p.solves for p in ps)
+    assert [ps[1].collects(e, k) for e, k in updates] == [False] + [True] * 5
+    assert ps[0].shadow and not ps[1].shadow and not any(ps[1].shadow_forward(e, k) for e, k in updates)
+    assert (ps[1].smooth, ps[1].quantile) == (False, "next_tokens")
+    # on_policy_bounds: open (default) frees the first update only; held keeps it at the calibrated bounds
+    assert [ps[1].open_bounds(e, k) for e, k in updates] == [True] + [False] * 5
+    assert [p0.open_bounds(e, k) for e, k in updates] == [True] + [False] * 5  # in every bounds_update mode
+    held = CalibrationPlan.build(1, _cfg(calibrate_every=4, on_policy_bounds="held"), train, 24)
+    assert not any(held.open_bounds(e, k) for e, k in updates)
+    index = torch.tensor([3, 7])
+    assert ps[1].fp8_row_mask(index, 2).tolist() == [True, True]  # per_step: every row feeds the FP8 statistics
     pm = CalibrationPlan.build(1, _cfg(calibrate_every=4, bounds_update="per_minibatch"), train, 24)
     assert [pm.prepass(e, k) for e, k in updates] == [False] + [True] * 5 and not pm.event
     static = CalibrationPlan.build(0, _cfg(target_source="static", static_alpha=0.1, static_rho=1.0, shadow_fraction=0.5), train, 24)
     assert static.event and not static.shadow and static.all_rows  # no shadow pass: every row feeds the solve
     assert not CalibrationPlan.build(0, CalibrationConfig(), train, 24).event
+    assert not CalibrationPlan.build(0, CalibrationConfig(), train, 24).solves  # calibration off: nothing at all
 
 
 def test_shadow_rows_are_a_seeded_rank_independent_draw():
@@ -383,3 +398,30 @@ def test_local_collectives_are_identity():
     kept, weight = subsample_rows(rows, 4, torch.Generator().manual_seed(0))
     assert kept.shape == (4, 2) and weight == 1.5
     assert all(any(torch.equal(k, r) for r in rows) for k in kept)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_hp_mask_counts_only_the_shadow_tokens_in_the_targets(weighted):
+    """per_step with shadow_fraction < 1: the FP8 statistics take every token, the targets only those with a shadow
+    ratio (hp_mask), weighted or not; what lies outside the mask (zeros, NaN) never reaches them."""
+    g = torch.Generator().manual_seed(9)
+    n = 500
+    r8 = torch.exp(torch.randn(n, generator=g) * 0.3)
+    r_hp = torch.exp(torch.randn(n, generator=g) * 0.3)
+    a = torch.randn(n, generator=g)
+    known = torch.rand(n, generator=g) < 0.4
+    w = torch.rand(n, generator=g) * 2 if weighted else None
+    c = CalibratedClipper(_cfg(), eps_low=0.2, eps_high=0.28)
+    stats = c.new_stats(reference=True, weighted=weighted)
+    garbage = torch.where(known, r_hp, torch.full_like(r_hp, float("nan")))  # outside the mask: anything
+    stats.add(r8, a, ratio_hp=garbage, hp_mask=known, weight=w)
+    got = stats.reduce(None)
+    sub = c.new_stats(reference=True, weighted=weighted)
+    sub.add(r8[known], a[known], ratio_hp=r_hp[known], weight=None if w is None else w[known])
+    want = sub.reduce(None).targets
+    assert (got.targets.alpha, got.targets.num_neg) == (pytest.approx(want.alpha, rel=1e-12), pytest.approx(want.num_neg))
+    assert got.targets.rho == pytest.approx(want.rho, rel=1e-12)
+    every = c.new_stats(weighted=weighted)
+    every.add(r8, a, weight=w)
+    assert got.fp8.num_neg == pytest.approx(every.reduce(None).fp8.num_neg)  # FP8: every token
+    assert got.fp8.lower_quantile(0.1) == every.reduce(None).fp8.lower_quantile(0.1)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from calibration_spec import spec_solve
 from megatron_rl.algo.clipper import CalibratedClipper
+from megatron_rl.algo.ratio_stats import SampleStats
 from megatron_rl.config.algo import CalibrationConfig
 
 
@@ -95,3 +96,52 @@ def test_events_missing_a_sign_keep_the_previous_targets(tmp_path):
     # the positive-only event keeps alpha, L and (no negative mass to balance) H
     assert rows[2]["calib/alpha_target"] == rows[1]["calib/alpha_target"]
     assert (rows[2]["calib/solve_lower"], rows[2]["calib/solve_upper"]) == (rows[1]["calib/lower"], rows[1]["calib/upper"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 600), st.floats(0.0, 0.3), st.floats(0.01, 0.4), st.booleans(),
+       st.integers(1, 5), st.floats(0.1, 1.0))
+def test_per_step_solve_matches_the_spec(seed, n, noise, hp_scale, relax_only, parts, shadow):
+    """per_step: an event's targets from the shadow rows only (hp_mask), its L and H from every row for the next step's
+    tokens (type-6 quantile); the next, ordinary step solves its own tokens at those held targets."""
+    r8, r_hp, adv = _tokens(seed, n, noise, hp_scale)
+    known = torch.rand(n, generator=torch.Generator().manual_seed(seed + 1)) < shadow
+    clipper = CalibratedClipper(CalibrationConfig(enabled=True, relax_only=relax_only), eps_low=0.2, eps_high=0.28)
+    stats = clipper.new_stats(reference=True)
+    for idx in torch.arange(n).chunk(parts):
+        stats.add(r8[idx], adv[idx], ratio_hp=r_hp[idx], hp_mask=known[idx])
+    sol = clipper.solve(stats, smooth=False, quantile="next_tokens")
+    hp = np.where(known.numpy(), r_hp.numpy(), np.nan)
+    want = spec_solve(r8.numpy(), hp, adv.numpy(), eps_low=0.2, eps_high=0.28, relax_only=relax_only, quantile="next_tokens")
+    assert clipper.targets.alpha == want.alpha
+    assert clipper.targets.rho == pytest.approx(want.rho, rel=1e-12) or (math.isinf(want.rho) and math.isinf(clipper.targets.rho))
+    assert (sol.lower, sol.upper) == (want.lower, want.upper)
+    assert sol.lower_raw == want.lower_raw or (math.isnan(sol.lower_raw) and math.isnan(want.lower_raw))
+    assert sol.upper_raw == want.upper_raw or (math.isnan(sol.upper_raw) and math.isnan(want.upper_raw))
+    # the next step: FP8 statistics only, at the held targets
+    r8b = r8 * torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)) * 0.05)
+    nxt = clipper.new_stats()
+    nxt.add(r8b, adv)
+    held = (clipper.targets.alpha, clipper.targets.rho)
+    sol2 = clipper.solve(nxt, smooth=False, quantile="next_tokens")
+    want2 = spec_solve(r8b.numpy(), None, adv.numpy(), eps_low=0.2, eps_high=0.28, relax_only=relax_only,
+                       previous=(sol.lower, sol.upper), targets=held, quantile="next_tokens")
+    assert (sol2.lower, sol2.upper, sol2.lower_raw) == (want2.lower, want2.upper, want2.lower_raw) or \
+        (math.isnan(sol2.lower_raw) and (sol2.lower, sol2.upper) == (want2.lower, want2.upper))
+    assert (clipper.lower, clipper.upper) == (sol2.lower, sol2.upper)  # per_step holds its solve unsmoothed
+
+
+def test_type6_quantile_covers_alpha_of_unseen_tokens():
+    """The reason for next_tokens: the k-th order statistic of n draws covers k / (n + 1) of new draws, so the
+    same-tokens L (k = floor(alpha n) + 1) over-clips later tokens; the type-6 L clips alpha of them in expectation."""
+    g = torch.Generator().manual_seed(0)
+    alpha, n, trials = 0.05, 120, 400
+    same, nxt = [], []
+    for _ in range(trials):
+        r = torch.exp(torch.randn(n, generator=g) * 0.1)
+        new = torch.exp(torch.randn(2000, generator=g) * 0.1)
+        stats = SampleStats(r, -torch.ones(n))
+        same.append(float((new < stats.lower_quantile(alpha)).float().mean()))
+        nxt.append(float((new < stats.predictive_lower_quantile(alpha)).float().mean()))
+    assert np.mean(same) / alpha > 1.08  # (floor(6) + 1) / 121 = 0.0579
+    assert abs(np.mean(nxt) / alpha - 1) < 0.04

@@ -39,6 +39,26 @@ def rank_slice(rank: int, world: int) -> slice:
     return slice(start, start + counts[rank])
 
 
+def shadow_mask(rank: int, world: int) -> torch.Tensor:
+    """This rank's tokens that carry a high-precision ratio (shadow_fraction < 1: every third token)."""
+    return (torch.arange(sum(COUNTS))[rank_slice(rank, world)] % 3) == 0
+
+
+def per_step_solves(backend: str, r_fp8, r_hp, adv, known, group) -> list[float]:
+    """bounds_update: per_step on this rank's tokens: an event (FP8 of every token, targets from the `known` ones, two
+    micro-batches), then an ordinary step at the held targets; [L1, H1, alpha, rho, L2, H2] after the two solves."""
+    clip = CalibratedClipper(CalibrationConfig(enabled=True, backend=backend, **CLAMPS), eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    stats = clip.new_stats(reference=True)
+    half = r_fp8.numel() // 2
+    for part in (slice(0, half), slice(half, None)):
+        stats.add(r_fp8[part], adv[part], ratio_hp=r_hp[part], hp_mask=known[part])
+    first = clip.solve(stats, group, smooth=False, quantile="next_tokens")
+    ordinary = clip.new_stats()
+    ordinary.add(r_fp8 * 0.97, adv)
+    second = clip.solve(ordinary, group, smooth=False, quantile="next_tokens")
+    return [first.lower, first.upper, clip.targets.alpha, clip.targets.rho, second.lower, second.upper]
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -64,6 +84,7 @@ def main() -> None:
         stats.add(r_fp8[half:], adv[half:], ratio_hp=r_hp[half:])
         sol = clip.solve(stats, group)
         out[f"clipper_{backend}"] = [sol.lower, sol.upper, clip.targets.alpha, clip.targets.rho]
+        out[f"per_step_{backend}"] = per_step_solves(backend, r_fp8, r_hp, adv, shadow_mask(rank, world), group)
     report(out)
     dist.destroy_process_group()
 

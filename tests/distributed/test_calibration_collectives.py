@@ -51,3 +51,10 @@ def test_global_calibration_matches_single_process():
             got = res[f"clipper_{backend}"]
             assert got[:3] == want[:3], backend
             assert got[3] == pytest.approx(want[3], rel=1e-12)
+        # per_step: FP8 statistics of every token, targets from the shadow tokens only, then a solve at held targets
+        known = torch.cat([w.shadow_mask(r, world) for r in range(world)])
+        want = w.per_step_solves(backend, r_fp8, r_hp, adv, known, None)
+        for res in results:
+            got = res[f"per_step_{backend}"]
+            assert got[:3] + got[4:] == want[:3] + want[4:], backend
+            assert got[3] == pytest.approx(want[3], rel=1e-12)

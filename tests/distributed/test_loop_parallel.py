@@ -5,8 +5,9 @@ unsmoothed solve calib/solve_*), losses, clip fractions and every other logged m
 DP=1 run to ~1e-5, and the rollouts (all 16 sampled texts of each step) must be identical. The
 calibration state lives on the last pipeline stage, so under PP=2 these metrics come from stage 1 and
 rank 0 (stage 0) only logs them: the PP=2 run is also stopped after its first step and resumed from
-the checkpoint, which must restore the calibrated bounds and every calibration metric (the resumed
-step 1 is not a calibration event, so it logs what the checkpoint holds). The multi-process runs sync
+the checkpoint, which must restore the calibrated bounds, the held targets and every calibration metric
+(the resumed step 1 is not a calibration event: under the default bounds_update per_step it solves its own
+tokens at the targets the checkpoint holds). The multi-process runs sync
 weights with the other transports (DP=2 and PP=2: `tensor`, under PP=2 from both stages' senders; TP=2:
 `distributed` over gloo) while the reference uses `disk`, so identical rollouts also show that every transport
 leaves the engine with the same weights. The engines run in their default SGLang 0.5.23 mode, which refuses
@@ -14,10 +15,11 @@ a distributed or tensor update outside a weight-update session. (tests/distribut
 has `distributed` under PP=2 and `tensor` under TP=2, with a 0.5.8-mode engine beside a 0.5.23 one.)
 
 Every run dumps its calibration tokens; an independent implementation of the spec
-(tests/calibration_spec.py) recomputes alpha, rho, L and H of each event from the union of the
-rank files (one per DP x CP rank of the last stage, TP rank 0 only) and must get the logged solve,
-whichever advantage signs the event's shadow rows hold (they come from this machine's rollouts: on
-one CPU step 2's shadow rows held only negative tokens, and the spec then keeps the previous rho and H).
+(tests/calibration_spec.py) recomputes alpha, rho, L and H of each step's solve (per_step: every step;
+targets from the events' shadow rows, shadow_fraction 0.5) from the union of the rank files (one per
+DP x CP rank of the last stage, TP rank 0 only) and must get the logged solve, whichever advantage signs
+the event's shadow rows hold (they come from this machine's rollouts: on one CPU step 2's shadow rows held
+only negative tokens, and the spec then keeps the previous rho).
 
 Layout notes. The DP=1, TP=2, PP=2 and CP=2 runs use micro-batches of 8 rows; the DP=2 run 4 rows per
 rank. The statistics of a solve pool every off-policy micro-batch of the step and are reduced once,
@@ -44,6 +46,7 @@ STEPS = 3
 COMMON = (f"train.steps={STEPS}", "precision.recipe=none", "precision.rollout_quantization=none",
           "algo.calibration.calibrate_every=2", "algo.calibration.relax_only=false", "tracking.log_samples=16",
           "tracking.dump_ratios=true")
+SPEC = dict(quantile="next_tokens")  # per_step (the default) solves for the next step's tokens
 CALIB_KEYS = ("calib/lower", "calib/upper", "calib/alpha_target", "calib/rho_target", "calib/alpha_achieved",
               "calib/rho_achieved")
 
@@ -81,8 +84,9 @@ def single(tmp_path_factory):
     # as null (rho_target is inf when the first event's shadow rows had no negative mass), never left out
     assert all(math.isfinite(r["calib/lower"]) and math.isfinite(r["calib/upper"]) for r in rows)
     assert all(k in r for r in rows for k in CALIB_KEYS)
-    assert [("calib/solve_lower" in r) for r in rows] == [True, False, True]  # events at steps 0 and 2
-    assert check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False) == [0, 2]
+    assert [("calib/solve_lower" in r) for r in rows] == [True, True, True]  # per_step: every step solves
+    assert [("hp/clipfrac" in r) for r in rows] == [True, False, True]  # shadow events at steps 0 and 2
+    assert check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False, **SPEC) == [0, 1, 2]
     return warm, rows
 
 
@@ -96,7 +100,8 @@ def test_layout_matches_single_process(single, tmp_path, layout, overrides, dump
     warm, reference = single
     rows = train(tmp_path / "run", tiny_overrides(warm, *COMMON, *overrides), nproc=2)
     _assert_same(reference, rows, layout)
-    assert check_run_dumps(tmp_path / "run", rows, ranks=dump_ranks, eps_low=0.2, eps_high=0.2, relax_only=False) == [0, 2]
+    assert check_run_dumps(tmp_path / "run", rows, ranks=dump_ranks, eps_low=0.2, eps_high=0.2, relax_only=False,
+                           **SPEC) == [0, 1, 2]
 
 
 def test_pp2_matches_single_process_and_resumes_calibrated(single, tmp_path):
@@ -114,4 +119,4 @@ def test_pp2_matches_single_process_and_resumes_calibrated(single, tmp_path):
     rows = train(run_dir, pp, nproc=2)  # resumes at step 1
     _assert_same(reference, rows, "PP=2 (resumed after step 0)")
     assert all(k in rows[1] for k in CALIB_KEYS)  # nothing calibration logs is lost by a resume (values: _assert_same)
-    assert check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False) == [0, 2]
+    assert check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False, **SPEC) == [0, 1, 2]

@@ -19,7 +19,7 @@ Checks (each reported on its own; an exception fails that check only):
   shadow_fraction 0.5), backward: the loss, every metric sum and the gradient stay on CUDA; the step's pooled
   statistics stay on CUDA; the solve from them equals the solve from CPU copies of the same tokens.
 - train_<mode>_<backend>: megatron_rl.loop.train_on_batch on a tiny model on CUDA (NCCL world of 1) for a
-  calibration step and an ordinary one, per_calibration and per_minibatch: finite loss, calibrated bounds that
+  calibration step and an ordinary one, per_step, per_calibration and per_minibatch: finite loss, calibrated bounds that
   moved off 1 -/+ eps, the ratio dumps of the calibration steps written and matching their logged solves
   (exactly for allgather, within a bin for histogram).
 """
@@ -155,7 +155,7 @@ def train_steps() -> None:
     mask = (torch.arange(seq)[None] >= 8).float().expand(rows, seq).contiguous()
     adv = torch.randn(rows, 1, generator=g).expand(rows, seq) * mask
     batch = TrainBatch(ids, torch.roll(ids, -1, 1), mask, adv, torch.zeros(rows, seq), sample_index=torch.arange(rows))
-    for mode in ("per_calibration", "per_minibatch"):
+    for mode in ("per_step", "per_calibration", "per_minibatch"):
         for backend in ("allgather", "histogram"):
             name = f"train_{mode}_{backend}"
 
@@ -171,11 +171,13 @@ def train_steps() -> None:
                         m = train_on_batch(session, batch, step, Timers())
                         rows_out.append({"step": step, **{k: v for k, v in m.items() if isinstance(v, float)}})
                     width = session.clipper.hist_spec.width if backend == "histogram" else 0.0
+                    quantile = "next_tokens" if mode == "per_step" else "same_tokens"
                     checked = check_run_dumps(run_dir, rows_out, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False,
-                                              hist_width=width)
+                                              hist_width=width, quantile=quantile)
                 finite = all(abs(r["learner/loss"]) < 1e6 for r in rows_out)
                 moved = any(abs(r["calib/lower"] - 0.8) > 1e-4 or abs(r["calib/upper"] - 1.2) > 1e-4 for r in rows_out[1:])
-                check(name, on_device and finite and moved and checked == [0, 2], on_device=on_device, finite=finite, moved=moved,
+                solves = [0, 1, 2] if mode == "per_step" else [0, 2]
+                check(name, on_device and finite and moved and checked == solves, on_device=on_device, finite=finite, moved=moved,
                       dumps_checked=checked, bounds=[(r["calib/lower"], r["calib/upper"]) for r in rows_out])
 
             guarded(name, one)
