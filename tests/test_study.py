@@ -92,6 +92,16 @@ def test_run_values_follow_their_definitions():
     assert s.cell() == "0.2 ± 0.1414 [0.1, 0.3]" and results.SeedStats([math.nan]).cell() == "n/a"
 
 
+def test_malformed_metrics_come_from_the_rows_and_the_final_state():
+    rows = [{"step": s, "malformed/train": m} for s, m in enumerate([0.1, 0.6, 0.2, 0.3, 0.5])]
+    by = {m.label: m for m in results.METRICS}
+    evals = {"eval_after": 0.5, "eval_malformed_after": 0.125}
+    assert results.run_value(rows, by["malformed (last)"], 0.4, evals) == pytest.approx(0.4)
+    assert results.run_value(rows, by["malformed (max)"], 0.4, evals) == 0.6
+    assert results.run_value(rows, by["held-out malformed after RL"], 0.4, evals) == 0.125
+    assert math.isnan(results.run_value([{"step": 0}], by["malformed (last)"], 0.4, {}))  # tasks without a format
+
+
 def _fake_run(study, arm: str, seed: int, k: float, dumps: bool) -> None:
     """A finished 10-step run: metrics rising with k, shadow metrics every 5 steps, final checkpoint, config."""
     d = study.run_dir(arm, seed)
