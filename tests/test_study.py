@@ -92,6 +92,27 @@ def test_run_values_follow_their_definitions():
     assert s.cell() == "0.2 ± 0.1414 [0.1, 0.3]" and results.SeedStats([math.nan]).cell() == "n/a"
 
 
+def test_only_the_named_arms_run_and_unknown_names_are_refused(tmp_path, monkeypatch):
+    from megatron_rl.study import runner
+
+    study = load_study(_spec(tmp_path))
+    started = []
+    monkeypatch.setattr(runner, "prepare_warm_start", lambda study, say: [])
+
+    def fake_run(cmd, env, log):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        started.append(cmd[cmd.index("train") + 1:])
+        return 1, 0.0
+
+    monkeypatch.setattr(runner, "_run_logged", fake_run)
+    monkeypatch.setattr(runner, "write_report", lambda study: study.out / "RESULTS.md")
+    assert runner.run_study(study, say=lambda m: None, only_arms=["fp8"]) == 2  # both fp8 seeds tried (and "failed")
+    dirs = [next(o for o in cmd if o.startswith("run_dir=")) for cmd in started]
+    assert dirs == [f'run_dir="{study.run_dir("fp8", s)}"' for s in (1, 2)]
+    with pytest.raises(StudyError, match="--arms bf16: not arms of this study"):
+        runner.run_study(study, say=lambda m: None, only_arms=["bf16", "fp8"])
+
+
 def test_malformed_metrics_come_from_the_rows_and_the_final_state():
     rows = [{"step": s, "malformed/train": m} for s, m in enumerate([0.1, 0.6, 0.2, 0.3, 0.5])]
     by = {m.label: m for m in results.METRICS}

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import yaml
@@ -125,13 +125,18 @@ def _diff(old, new, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
 
 
-def run_study(study: Study, report_only: bool = False, say: Callable[[str], None] = print) -> int:
-    """Run whatever is missing, then write RESULTS.md and the figures; returns the number of failed runs."""
+def run_study(study: Study, report_only: bool = False, say: Callable[[str], None] = print,
+              only_arms: Optional[Sequence[str]] = None) -> int:
+    """Run whatever is missing (of `only_arms` when given), then write RESULTS.md and the figures; returns the number of failed runs."""
     failed = 0
+    names = [a.name for a in study.spec.arms]
+    unknown = sorted(set(only_arms or ()) - set(names))
+    if unknown:
+        raise StudyError(f"{study.spec_path}: --arms {' '.join(unknown)}: not arms of this study ({', '.join(names)})")
     if not report_only:
         warm = prepare_warm_start(study, say)
         check_existing_runs(study, warm)
-        runs = study.runs()
+        runs = [(arm, seed) for arm, seed in study.runs() if only_arms is None or arm in only_arms]
         for k, (arm, seed) in enumerate(runs, 1):
             run_dir = study.run_dir(arm, seed)
             if results.final_rl_state(run_dir, study.spec.steps) is not None:
