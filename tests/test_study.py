@@ -113,6 +113,14 @@ def test_only_the_named_arms_run_and_unknown_names_are_refused(tmp_path, monkeyp
         runner.run_study(study, say=lambda m: None, only_arms=["bf16", "fp8"])
 
 
+def test_report_dir_keeps_a_second_specs_report_apart(tmp_path):
+    study = load_study(_spec(tmp_path, report_dir=str(tmp_path / "elsewhere")))
+    _fake_run(study, "hp", 1, 0.5, dumps=False)
+    out = write_report(study)
+    assert out == tmp_path / "elsewhere" / "RESULTS.md" and (tmp_path / "elsewhere" / "curves.png").exists()
+    assert not (study.out / "RESULTS.md").exists() and study.run_dir("hp", 1).is_relative_to(study.out)
+
+
 def test_malformed_metrics_come_from_the_rows_and_the_final_state():
     rows = [{"step": s, "malformed/train": m} for s, m in enumerate([0.1, 0.6, 0.2, 0.3, 0.5])]
     by = {m.label: m for m in results.METRICS}

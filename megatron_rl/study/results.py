@@ -304,7 +304,7 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
         f"    megatron-rl study {study.spec_path} --report-only   # this file and the figures from the runs on disk",
         "",
     ]
-    out = study.out / "RESULTS.md"
+    out = study.report_out / "RESULTS.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     return out

@@ -166,13 +166,13 @@ def write_report(study: Study) -> Path:
     records = results.collect(study, study.spec.steps)
     by_arm = {a.name: [r for r in records if r.arm == a.name and r.rows] for a in study.spec.arms}
     notes, figures = [], {}
-    study.out.mkdir(parents=True, exist_ok=True)
+    study.report_out.mkdir(parents=True, exist_ok=True)
     if any(by_arm.values()):
         # a window wider than a tenth of the run would flatten short runs into one value
         window = min(study.spec.smooth_window, max(1, study.spec.steps // 10))
-        plots.plot_curves(by_arm, study.spec.steps, study.out / "curves.png", window=window)
+        plots.plot_curves(by_arm, study.spec.steps, study.report_out / "curves.png", window=window)
         figures["Curves per arm (mean over seeds, band: min-max over seeds; shadow-step metrics as markers)"] = "curves.png"
-        plots.plot_bounds(by_arm, study.spec.steps, study.out / "bounds.png")
+        plots.plot_bounds(by_arm, study.spec.steps, study.report_out / "bounds.png")
         figures["Clip bounds L and H over steps (markers: raw solves; dotted: 1 - eps_low, 1 + eps_high)"] = "bounds.png"
     dumps: dict[str, Optional[dict]] = {}
     for arm in study.spec.arms:
@@ -182,7 +182,7 @@ def write_report(study: Study) -> Path:
             notes.append(f"arm `{arm.name}`: no calibration token dumps (runs/<arm>/seed*/calibration/step_*.npz), so no "
                          "log-ratio histogram: they are written on calibration steps with tracking.dump_ratios: true")
     if any(d is not None for d in dumps.values()):
-        plots.plot_ratio_histograms(dumps, study.out / "ratio_hist.png")
+        plots.plot_ratio_histograms(dumps, study.report_out / "ratio_hist.png")
         figures["Per-token low-precision minus high-precision log-ratio, split by advantage sign (calibration steps)"] = "ratio_hist.png"
     for r in records:
         if r.status != "done":
