@@ -121,6 +121,26 @@ def test_report_dir_keeps_a_second_specs_report_apart(tmp_path):
     assert not (study.out / "RESULTS.md").exists() and study.run_dir("hp", 1).is_relative_to(study.out)
 
 
+def test_dose_report_groups_arms_by_k_and_calibration(tmp_path):
+    from megatron_rl.study.dose import arm_dose, write_dose_report
+
+    arms = [{"name": "hp", "overrides": {}},
+            {"name": "fp8", "overrides": {"precision.recipe": "blockwise"}},
+            {"name": "fp8_k4", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0}},
+            {"name": "fp8_calib_k4", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0,
+                                                   "algo.calibration.enabled": True}}]
+    study = load_study(_spec(tmp_path, arms=arms))
+    assert [arm_dose(a.overrides) for a in study.spec.arms] == [(None, False), (1.0, False), (4.0, False), (4.0, True)]
+    for arm, k in (("hp", 0.5), ("fp8", 1.0), ("fp8_k4", 4.0)):
+        for seed in (1, 2):
+            _fake_run(study, arm, seed, k + seed, dumps=False)
+    text = write_dose_report(study).read_text()
+    assert "| metric | hp (reference) | vanilla k=1 | vanilla k=4 | calibrated k=4 |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| clipfrac_lower_neg |"))
+    assert row.split(" | ")[3] == "0.055 [0.05, 0.06]" and row.endswith("| n/a |")  # (4+1, 4+2) * 0.01; k4 calib never ran
+    assert (study.report_out / "dose.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_malformed_metrics_come_from_the_rows_and_the_final_state():
     rows = [{"step": s, "malformed/train": m} for s, m in enumerate([0.1, 0.6, 0.2, 0.3, 0.5])]
     by = {m.label: m for m in results.METRICS}
