@@ -14,8 +14,14 @@ weights measures, per answer token:
   rewards, the config's loss and learning rate): the ratio error the clip decision of the first off-policy
   update sees, r = p(after) / p(before) in each precision.
 
-Both are bucketed by the token's position in the answer (0 = first generated token) and reported as mean |.|
-and the 50/90/99% quantiles of |.|, plus the mean signed error. Output: OUT/error_seed<seed>.json (every
+- `hidden`: the relative error ||h_lp - h_hp|| / ||h_hp|| of the residual stream after every transformer layer
+  (the same forward, answer tokens only): how the error grows through the layers of one model, free of how
+  confident that model's outputs are (a confident model's log-probs sit near 0 in both precisions, whatever its
+  hidden error).
+
+dlogp and dlr are bucketed by the token's position in the answer (0 = first generated token) and by the
+high-precision probability of the token (confidence), and reported as mean |.| and the 50/90/99% quantiles of
+|.|, plus the mean signed error. Output: OUT/error_seed<seed>.json (every
 number), OUT/error_seed<seed>.md (tables) and OUT/error_seed<seed>.png (mean |dlogp| and |dlr| against
 position, one line per depth, one panel per recipe). Deterministic: the same seed gives the same numbers.
 """
@@ -43,6 +49,8 @@ RECIPE_OVERRIDES: dict[str, dict[str, Any]] = {
 """Learner precision of each recipe name (the study arms' settings; rollouts are not involved here)."""
 QUANTILES = (50, 90, 99)
 """Quantiles of |error| reported per bucket (percent)."""
+PROB_EDGES = (0.0, 0.5, 0.9, 0.99, 0.999, 1.0001)
+"""Buckets of the token's high-precision probability p_hp (the model's confidence in it)."""
 
 
 def position_buckets(max_len: int, width: int) -> list[tuple[int, int]]:
@@ -60,6 +68,15 @@ def bucket_stats(err: np.ndarray, pos: np.ndarray, buckets: Sequence[tuple[int, 
         for q in QUANTILES:
             row[f"q{q}"] = float(np.percentile(np.abs(e), q)) if e.size else math.nan
         out.append(row)
+    return out
+
+
+def prob_bucket_stats(err: np.ndarray, p_hp: np.ndarray) -> list[dict[str, float]]:
+    """Per p_hp bucket [lo, hi): tokens and mean |err|."""
+    out = []
+    for lo, hi in zip(PROB_EDGES, PROB_EDGES[1:]):
+        e = err[(p_hp >= lo) & (p_hp < hi)]
+        out.append({"lo": lo, "hi": min(hi, 1.0), "n": int(e.size), "mean_abs": float(np.abs(e).mean()) if e.size else math.nan})
     return out
 
 
@@ -144,8 +161,39 @@ def greedy_accuracy(hf: Path, rows, reward_fn, is_malformed, max_new_tokens: int
 # the measurement (in-process learners, world of one)
 # ---------------------------------------------------------------------------------------------------------
 
+class LayerTap:
+    """Forward hooks that keep every transformer layer's output hidden states ([s, b, h] per micro-batch)."""
+
+    def __init__(self, learner) -> None:
+        """Hook every decoder layer of the learner's (single) model chunk."""
+        from megatron_rl.trainer.model import unwrap
+
+        self.outputs: dict[int, list] = {}
+        layers = unwrap(learner.model[0]).decoder.layers
+        self.handles = [layer.register_forward_hook(self._keep(i)) for i, layer in enumerate(layers)]
+
+    def _keep(self, index: int):
+        def hook(module, inputs, output):
+            self.outputs.setdefault(index, []).append((output[0] if isinstance(output, tuple) else output).detach().float())
+        return hook
+
+    def take(self) -> list:
+        """[layers] of [b, s, h] hidden states of the forwards since the last take()."""
+        import torch
+
+        out = [torch.cat([h.transpose(0, 1) for h in self.outputs[i]]) for i in sorted(self.outputs)]
+        self.outputs = {}
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self.handles:
+            h.remove()
+
+
 def measure_recipe(cfg, depth: int, recipe: str, hf: Path, batch, vocab: int) -> dict[str, np.ndarray]:
-    """Per answer token of `batch`: dlogp at the warm start's weights and dlr after one low-precision update."""
+    """Per answer token of `batch`: dlogp at the warm start's weights, the hidden-state error after every layer,
+    and dlr after one low-precision update."""
     import torch
 
     from megatron_rl.config.model import ModelConfig
@@ -161,10 +209,14 @@ def measure_recipe(cfg, depth: int, recipe: str, hf: Path, batch, vocab: int) ->
     learner = Learner(model, cfg.parallel, cfg.optim, precision, vocab_size=vocab, seed=cfg.train.seed, total_steps=1)
     load_initial_weights(learner, str(hf))
     mbs = math.gcd(batch.batch_size, cfg.train.micro_batch_size)
+    tap = LayerTap(learner)
     with torch.no_grad():
         lp0, _ = learner.forward_logprobs(batch, mbs)
+        h_lp = tap.take()
         with high_precision():
             hp0, _ = learner.forward_logprobs(batch, mbs)
+        h_hp = tap.take()
+    tap.close()
     # one GRPO update in low precision, as the first mini-batch of an RL step trains (on-policy: pi_old = pi)
     mb = with_token_weights(batch.with_fields(old_logprobs=lp0.detach()), cfg.algo.policy_loss.agg_mode, agg_max_len(cfg))
     learner.train_step(mb, RLLoss(cfg.algo), mbs)
@@ -177,8 +229,11 @@ def measure_recipe(cfg, depth: int, recipe: str, hf: Path, batch, vocab: int) ->
     dlogp = (lp0 - hp0)[mask]
     dlr = ((lp1 - lp0) - (hp1 - hp0))[mask]
     drift = (hp1 - hp0)[mask]
+    # relative residual-stream error after each layer, per answer token: [layers, tokens]
+    hidden = torch.stack([((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12))[mask] for a, b in zip(h_lp, h_hp)])
     return {"pos": pos.cpu().numpy(), "dlogp": dlogp.double().cpu().numpy(), "dlr": dlr.double().cpu().numpy(),
-            "hp_log_ratio": drift.double().cpu().numpy()}
+            "hp_log_ratio": drift.double().cpu().numpy(), "p_hp": hp0[mask].exp().double().cpu().numpy(),
+            "hidden": hidden.double().cpu().numpy()}
 
 
 def run(config: Path, out: Path, depths: Sequence[int], recipes: Sequence[str], seed: int, prompts: int, samples: int,
@@ -237,9 +292,13 @@ def run(config: Path, out: Path, depths: Sequence[int], recipes: Sequence[str], 
             for r in recipes:
                 m = measure_recipe(cfg, d, r, hf, batch, model_vocab_size(str(hf), tokenizer))
                 entry["recipes"][r] = {
-                    "dlogp": {"all": summary_stats(m["dlogp"]), "buckets": bucket_stats(m["dlogp"], m["pos"], buckets)},
-                    "dlr": {"all": summary_stats(m["dlr"]), "buckets": bucket_stats(m["dlr"], m["pos"], buckets)},
+                    "dlogp": {"all": summary_stats(m["dlogp"]), "buckets": bucket_stats(m["dlogp"], m["pos"], buckets),
+                              "by_prob": prob_bucket_stats(m["dlogp"], m["p_hp"])},
+                    "dlr": {"all": summary_stats(m["dlr"]), "buckets": bucket_stats(m["dlr"], m["pos"], buckets),
+                            "by_prob": prob_bucket_stats(m["dlr"], m["p_hp"])},
                     "hp_log_ratio": summary_stats(m["hp_log_ratio"]),
+                    "hidden_by_layer": [float(v) for v in m["hidden"].mean(axis=1)],
+                    "hidden_last_buckets": bucket_stats(m["hidden"][-1], m["pos"], buckets),
                 }
                 say(f"depth {d:>2} {r:<10}: mean |dlogp| {entry['recipes'][r]['dlogp']['all']['mean_abs']:.4f}, "
                     f"mean |dlr| {entry['recipes'][r]['dlr']['all']['mean_abs']:.4f}")
@@ -289,6 +348,21 @@ def markdown(record: dict[str, Any]) -> str:
             for d in depths:
                 bs = record["by_depth"][str(d)]["recipes"][r][key]["buckets"]
                 lines.append(f"| {d} | " + " | ".join(f"{b['mean_abs']:.4f}" if b["n"] else "" for b in bs) + " |")
+    layers = max(depths)
+    lines += ["", "**relative hidden-state error ||h_lp - h_hp|| / ||h_hp|| after layer l (mean over answer tokens)**", "",
+              "| depth | recipe | " + " | ".join(str(i + 1) for i in range(layers)) + " |", "|---|---|" + "---|" * layers]
+    for d in depths:
+        for r in recipes:
+            v = record["by_depth"][str(d)]["recipes"][r]["hidden_by_layer"]
+            lines.append(f"| {d} | {r} | " + " | ".join(f"{x:.4f}" for x in v) + " |" * (layers - len(v)) + " |")
+    first = record["by_depth"][str(depths[0])]["recipes"][recipes[0]]["dlogp"]["by_prob"]
+    heads = [f"p_hp {b['lo']:g}-{b['hi']:g}" for b in first]
+    lines += ["", "**mean |dlogp| by the token's high-precision probability (tokens in brackets)**", "",
+              "| depth | recipe | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
+    for d in depths:
+        for r in recipes:
+            bs = record["by_depth"][str(d)]["recipes"][r]["dlogp"]["by_prob"]
+            lines.append(f"| {d} | {r} | " + " | ".join(f"{b['mean_abs']:.4f} ({b['n']})" if b["n"] else "" for b in bs) + " |")
     lines += ["", f"Wall time: {record['wall_s']:.0f} s (measurement; SFT warm starts: "
               + ", ".join(f"depth {d}: {record['sft_wall_s'][str(d)]:.0f} s" for d in depths) + ").", ""]
     return "\n".join(lines)
@@ -302,7 +376,16 @@ def plot(record: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     depths, recipes = record["depths"], record["recipes"]
-    fig, axes = plt.subplots(2, len(recipes), figsize=(4.2 * len(recipes), 6.4), squeeze=False)
+    fig, axes = plt.subplots(3, len(recipes), figsize=(4.2 * len(recipes), 9.6), squeeze=False)
+    for col, r in enumerate(recipes):
+        ax = axes[2][col]
+        for d in depths:
+            v = record["by_depth"][str(d)]["recipes"][r]["hidden_by_layer"]
+            ax.plot(range(1, len(v) + 1), v, marker="o", ms=3, label=f"{d} layers")
+        ax.set_yscale("log")
+        ax.set_title(f"{r}: relative hidden error after layer l", fontsize=9)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
     for row, (key, label) in enumerate((("dlogp", "mean |dlogp| (same weights)"), ("dlr", "mean |dlr| (after 1 update)"))):
         for col, r in enumerate(recipes):
             ax = axes[row][col]
