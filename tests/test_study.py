@@ -222,6 +222,26 @@ def test_changed_spec_never_mixes_with_existing_runs(tmp_path):
         check_existing_runs(changed, [])
 
 
+def test_fields_added_since_and_calibration_defaults_of_uncalibrated_runs_do_not_refuse_a_run(tmp_path):
+    study = load_study(_spec(tmp_path))
+    d = study.run_dir("fp8", 1)
+    d.mkdir(parents=True)
+    record = study.run_config("fp8", 1, []).model_dump(mode="json")
+    del record["algo"]["experimental"]  # a run made before that section existed
+    record["algo"]["calibration"]["calibrate_every"] = 7  # an old calibration default, calibration off
+    (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    check_existing_runs(study, [])
+    record["algo"]["calibration"]["enabled"] = True  # a calibrated run: its calibration settings count
+    (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    with pytest.raises(StudyError, match="algo.calibration.calibrate_every: 7 -> 20"):
+        check_existing_runs(study, [])
+    record["algo"]["calibration"].update(enabled=False, calibrate_every=20)
+    record["train"]["no_longer_a_field"] = 1
+    (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    with pytest.raises(StudyError, match="train.no_longer_a_field: 1 -> '.no such field now.'"):
+        check_existing_runs(study, [])
+
+
 @pytest.mark.slow
 def test_smoke_study_runs_resumes_and_skips(tmp_path):
     """2 arms x 1 seed x 2 steps from one SFT (both FP4 recipes end to end); a run killed after step 0 resumes;

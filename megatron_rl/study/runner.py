@@ -115,13 +115,25 @@ def check_existing_runs(study: Study, warm: list[str]) -> None:
                              f"seed {seed} ({'; '.join(diff[:4])}); delete that run directory or use another output_dir")
 
 
+_ABSENT = object()
+
+
 def _diff(old, new, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested dicts."""
+    """Dotted keys whose values differ between a recorded config and the one a spec implies now, except what cannot
+    change a run: fields the record lacks (added to the code since, with defaults that keep the old behaviour, as the
+    project's configs do) and algo.calibration.* while calibration is off in both (no part of it is read then).
+    So runs made before such an addition, or before a change of calibration defaults, are reused, not refused."""
     if isinstance(old, dict) and isinstance(new, dict):
+        if prefix == "algo.calibration." and old.get("enabled") is False and new.get("enabled") is False:
+            return []
         out = []
         for k in sorted(set(old) | set(new), key=str):
-            out += _diff(old.get(k), new.get(k), f"{prefix}{k}.")
+            if k not in old:
+                continue
+            out += _diff(old.get(k, _ABSENT), new.get(k, _ABSENT), f"{prefix}{k}.")
         return out
+    if new is _ABSENT:
+        new = "(no such field now)"
     return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
 
 
