@@ -12,7 +12,7 @@
     megatron-rl convert hf-to-fp8 HF FP8 | megatron-to-fp8 MG FP8   # FP8 blockwise HF checkpoint for SGLang
     megatron-rl plan CONFIG --nodes N [--gpus-per-node G] [--gpu h100|h200|b200]   # check + estimate a layout
     megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
-    megatron-rl study SPEC.yaml [--report-only]   # arms x seeds from one warm start -> RESULTS.md + plots
+    megatron-rl study SPEC.yaml [--report-only] [--arms A B]   # arms x seeds from one warm start -> RESULTS.md + plots
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def cmd_study(args) -> int:
     from megatron_rl.study import load_study
     from megatron_rl.study.runner import run_study
 
-    failed = run_study(load_study(args.spec), report_only=args.report_only)
+    failed = run_study(load_study(args.spec), report_only=args.report_only, only_arms=args.arms)
     return 1 if failed else 0
 
 
@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("study", help=cmd_study.__doc__, description=cmd_study.__doc__)
     p.add_argument("spec", help="study spec YAML (see examples/studies/)")
     p.add_argument("--report-only", action="store_true", help="only rewrite RESULTS.md and the plots from the runs on disk")
+    p.add_argument("--arms", nargs="+", metavar="ARM", default=None,
+                   help="run only these arms (the others are left for a later invocation; the report covers every arm)")
     p.set_defaults(fn=cmd_study)
     sub.add_parser("serve", help="Embedded SGLang-protocol rollout server (`megatron-rl serve --help` lists its flags).")
     return parser

@@ -15,7 +15,7 @@ from megatron_rl.algo.metrics import add_sums, finalize_metrics
 from megatron_rl.config import RunConfig
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import broadcast_from_controller, reduce_loss_sums
-from megatron_rl.phases import batching, health, logprobs, overlap, placement, reward, rollback, rollout, weights
+from megatron_rl.phases import batching, error_scale, health, logprobs, overlap, placement, reward, rollback, rollout, weights
 from megatron_rl.phases.calibrate import StepCalibration
 from megatron_rl.phases.loss import RLLoss, with_sequence_rollout_weights
 from megatron_rl.runtime import RunSession, finished_run, open_session, save
@@ -24,13 +24,15 @@ from megatron_rl.tracking.report import Progress, write_run_report
 from megatron_rl.tracking.wandb_sink import open_sinks
 
 
-def evaluate(session: RunSession) -> float:
-    """Held-out greedy accuracy through the rollout engines (controller; nan elsewhere)."""
+def evaluate(session: RunSession, when: str) -> dict[str, float]:
+    """Held-out greedy evaluation through the rollout engines (controller; nan elsewhere), as RL-state entries:
+    {"eval_<when>": accuracy, "eval_malformed_<when>": malformed fraction (tasks with an answer format)}."""
     if not state.is_controller():
-        return math.nan
+        return {f"eval_{when}": math.nan}
     rows = session.eval_rows[: session.cfg.train.eval_max_prompts]
-    return rollout.greedy_accuracy(session.client, session.tokenizer, rows, session.reward_fn,
-                                   session.cfg.rollout.sampling.max_new_tokens)
+    out = rollout.greedy_eval(session.client, session.tokenizer, rows, session.reward_fn,
+                              session.cfg.rollout.sampling.max_new_tokens, session.is_malformed)
+    return {f"eval_{when}": out["accuracy"], **({f"eval_malformed_{when}": out["malformed"]} if "malformed" in out else {})}
 
 
 def controller_rollout(session: RunSession, step: int, timers: Timers):
@@ -43,7 +45,8 @@ def controller_rollout(session: RunSession, step: int, timers: Timers):
             samples = rollout.generate_samples(session.client, session.tokenizer, session.prompts.take(cfg.train.prompts_per_step),
                                                cfg.rollout, seed=rollout.round_seed(cfg.rollout.seed, step, groups.rounds))
         with timers("reward"):
-            groups.add(samples, reward.score(samples, session.reward_fn, cfg.algo, cfg.rollout.sampling.max_new_tokens))
+            groups.add(samples, reward.score(samples, session.reward_fn, cfg.algo, cfg.rollout.sampling.max_new_tokens,
+                                              session.is_malformed))
     samples, metrics = groups.result()
     with timers("advantages"):
         adv, adv_metrics = reward.advantages(samples, cfg.algo)
@@ -62,6 +65,7 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
     with timers("logprobs"):
         batch, metrics = logprobs.old_logprobs(learner, batch, mbs, plan=plan, reference=session.reference, probe_rows=probed)
         batch = with_sequence_rollout_weights(batch, cfg.algo)
+        batch = error_scale.with_old_logprobs_hp(learner, batch, mbs, cfg.algo)  # experiment only; no-op unless on
     calib = StepCalibration(session.clipper, plan, cfg, session.run_dir)
     sums, learner_metrics = None, {}
     with timers("train"):
@@ -69,6 +73,7 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
             for k, mb in enumerate(batching.minibatches(batch, cfg.train.num_minibatches, batching.minibatch_seed(cfg.train.seed, step, epoch))):
                 mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode, batching.agg_max_len(cfg)), state.dp_rank(), state.dp_size())
                 mb, bounds, tap = calib.before_update(learner, mb, epoch, k)
+                mb = error_scale.with_logprobs_hp(learner, mb, mbs, cfg.algo, first_update=epoch == 0 and k == 0)
                 loss_fn = RLLoss(cfg.algo, bounds, tap, off_policy=plan.off_policy(epoch, k))
                 out = learner.train_step(mb, loss_fn, mbs)
                 sums = add_sums(sums, loss_fn.sums or {})
@@ -98,7 +103,9 @@ def run(cfg: RunConfig) -> dict:
     try:
         memory.resume(timers)  # colocated: the learner frees what it can before the engines fill up
         weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step)
-        eval_before = session.rl_state.get("eval_before", evaluate(session)) if session.start_step else evaluate(session)
+        before = {k: v for k, v in session.rl_state.items() if k.startswith(("eval_before", "eval_malformed_before"))}
+        if not (session.start_step and before):
+            before = evaluate(session, "before")
         progress = Progress(cfg.train.steps, session.start_step, enabled=is_controller and cfg.tracking.progress_bar)
         verdict, served = health.Verdict(ok=True), session.start_step  # served: the weight version the engines hold
         for step in range(session.start_step, cfg.train.steps):
@@ -117,7 +124,10 @@ def run(cfg: RunConfig) -> dict:
                     metrics.update(weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=step + 1))
                 served = step + 1
             if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
-                metrics["accuracy/eval"] = evaluate(session)
+                ev = evaluate(session, "now")
+                metrics["accuracy/eval"] = ev["eval_now"]
+                if "eval_malformed_now" in ev:
+                    metrics["malformed/eval"] = ev["eval_malformed_now"]
             metrics.update(timers.pop())
             if is_controller:
                 writer.write(step, {**metrics, "samples": [s.response_text for s in shown]})
@@ -126,12 +136,12 @@ def run(cfg: RunConfig) -> dict:
                 raise health.TrainingHealthError(rollback.after_stop(session, verdict, served))
             if verdict.ok and cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0 and step + 1 < cfg.train.steps:
                 with memory.learner_resident(timers):
-                    save(session, step, {"eval_before": eval_before, **rollouts.state_dict()})
+                    save(session, step, {**before, **rollouts.state_dict()})
         progress.close()
-        eval_after = evaluate(session)
+        after = evaluate(session, "after")
         if verdict.ok:  # the last step's weights passed the health checks
             with memory.learner_resident(timers):
-                save(session, cfg.train.steps - 1, {"eval_before": eval_before, "eval_after": eval_after})
+                save(session, cfg.train.steps - 1, {**before, **after})
         if not is_controller:
             return {}
         writer.close()
@@ -141,9 +151,9 @@ def run(cfg: RunConfig) -> dict:
         from megatron_rl.warm_start import warm_start_summary
 
         context = [("warm start", warm_start_summary(cfg, session.run_dir)), ("CPU kernels (this run)", kernel_report())]
-        text = write_run_report(session.run_dir, read_metrics(writer.path), eval_before, eval_after, session.wall_time(),
-                                session.sessions(), plots=cfg.tracking.plots, context=context)
-        return {"eval_before": eval_before, "eval_after": eval_after, "summary": text}
+        text = write_run_report(session.run_dir, read_metrics(writer.path), before["eval_before"], after["eval_after"],
+                                session.wall_time(), session.sessions(), plots=cfg.tracking.plots, context=context)
+        return {**before, **after, "summary": text}
     finally:
         rollouts.close()
         session.close()

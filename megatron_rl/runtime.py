@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -20,6 +20,7 @@ from megatron_rl.config import RunConfig, dump_config
 from megatron_rl.config.run import check_config_for_world
 from megatron_rl.data.jsonl import PromptRow
 from megatron_rl.data.sources import load_prompts
+from megatron_rl.data.tasks import malformed_checker
 from megatron_rl.parallel import state
 from megatron_rl.phases.health import HealthGuard
 from megatron_rl.phases.rollout import PromptStream
@@ -64,6 +65,8 @@ class RunSession:
     """PromptStream of the training prompts (its cursor is checkpointed)."""
     health: Any = None
     """HealthGuard of the run (its counters are checkpointed)."""
+    is_malformed: Optional[Callable[[str], bool]] = None
+    """The task's answer-format check behind the malformed/* metrics (None: the prompts record no task with a format)."""
     started: float = field(default_factory=time.perf_counter)
     """perf_counter() when this session (process) started building the run."""
 
@@ -273,6 +276,7 @@ def open_session(cfg: RunConfig) -> RunSession:
     session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                          reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir,
                          prompts=PromptStream(train_rows, cfg.data.seed),
+                         is_malformed=malformed_checker(train_rows),
                          health=HealthGuard(cfg.train.health, learner.arch.vocab_size, cfg.train.ppo_epochs * cfg.train.num_minibatches,
                                             rollout_lag=1 if cfg.rollout.overlap == "one_step_off" else 0),
                          started=started)

@@ -94,6 +94,65 @@ def test_run_values_follow_their_definitions():
     assert s.cell() == "0.2 ± 0.1414 [0.1, 0.3]" and results.SeedStats([math.nan]).cell() == "n/a"
 
 
+def test_only_the_named_arms_run_and_unknown_names_are_refused(tmp_path, monkeypatch):
+    from megatron_rl.study import runner
+
+    study = load_study(_spec(tmp_path))
+    started = []
+    monkeypatch.setattr(runner, "prepare_warm_start", lambda study, say: [])
+
+    def fake_run(cmd, env, log):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        started.append(cmd[cmd.index("train") + 1:])
+        return 1, 0.0
+
+    monkeypatch.setattr(runner, "_run_logged", fake_run)
+    monkeypatch.setattr(runner, "write_report", lambda study: study.out / "RESULTS.md")
+    assert runner.run_study(study, say=lambda m: None, only_arms=["fp8"]) == 2  # both fp8 seeds tried (and "failed")
+    dirs = [next(o for o in cmd if o.startswith("run_dir=")) for cmd in started]
+    assert dirs == [f'run_dir="{study.run_dir("fp8", s)}"' for s in (1, 2)]
+    with pytest.raises(StudyError, match="--arms bf16: not arms of this study"):
+        runner.run_study(study, say=lambda m: None, only_arms=["bf16", "fp8"])
+
+
+def test_report_dir_keeps_a_second_specs_report_apart(tmp_path):
+    study = load_study(_spec(tmp_path, report_dir=str(tmp_path / "elsewhere")))
+    _fake_run(study, "hp", 1, 0.5, dumps=False)
+    out = write_report(study)
+    assert out == tmp_path / "elsewhere" / "RESULTS.md" and (tmp_path / "elsewhere" / "curves.png").exists()
+    assert not (study.out / "RESULTS.md").exists() and study.run_dir("hp", 1).is_relative_to(study.out)
+
+
+def test_dose_report_groups_arms_by_k_and_calibration(tmp_path):
+    from megatron_rl.study.dose import arm_dose, write_dose_report
+
+    arms = [{"name": "hp", "overrides": {}},
+            {"name": "fp8", "overrides": {"precision.recipe": "blockwise"}},
+            {"name": "fp8_k4", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0}},
+            {"name": "fp8_calib_k4", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0,
+                                                   "algo.calibration.enabled": True}}]
+    study = load_study(_spec(tmp_path, arms=arms))
+    assert [arm_dose(a.overrides) for a in study.spec.arms] == [(None, False), (1.0, False), (4.0, False), (4.0, True)]
+    for arm, k in (("hp", 0.5), ("fp8", 1.0), ("fp8_k4", 4.0)):
+        for seed in (1, 2):
+            _fake_run(study, arm, seed, k + seed, dumps=False)
+    text = write_dose_report(study).read_text()
+    assert "| metric | hp (reference) | vanilla k=1 | vanilla k=4 | calibrated k=4 |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| clipfrac_lower_neg |"))
+    assert row.split(" | ")[3] == "0.055 [0.05, 0.06]" and row.endswith("| n/a |")  # (4+1, 4+2) * 0.01; k4 calib never ran
+    assert (study.report_out / "dose.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_malformed_metrics_come_from_the_rows_and_the_final_state():
+    rows = [{"step": s, "malformed/train": m} for s, m in enumerate([0.1, 0.6, 0.2, 0.3, 0.5])]
+    by = {m.label: m for m in results.METRICS}
+    evals = {"eval_after": 0.5, "eval_malformed_after": 0.125}
+    assert results.run_value(rows, by["malformed (last)"], 0.4, evals) == pytest.approx(0.4)
+    assert results.run_value(rows, by["malformed (max)"], 0.4, evals) == 0.6
+    assert results.run_value(rows, by["held-out malformed after RL"], 0.4, evals) == 0.125
+    assert math.isnan(results.run_value([{"step": 0}], by["malformed (last)"], 0.4, {}))  # tasks without a format
+
+
 def _fake_run(study, arm: str, seed: int, k: float, dumps: bool) -> None:
     """A finished 10-step run: metrics rising with k, shadow metrics every 5 steps, final checkpoint, config."""
     d = study.run_dir(arm, seed)
@@ -169,6 +228,26 @@ def test_changed_spec_never_mixes_with_existing_runs(tmp_path):
     changed = load_study(_spec(tmp_path, arms=[{"name": "hp"}, {"name": "fp8", "overrides": {"precision.recipe": "tensorwise"}}]))
     with pytest.raises(StudyError, match="precision.recipe: 'blockwise' -> 'tensorwise'"):
         check_existing_runs(changed, [])
+
+
+def test_fields_added_since_and_calibration_defaults_of_uncalibrated_runs_do_not_refuse_a_run(tmp_path):
+    study = load_study(_spec(tmp_path))
+    d = study.run_dir("fp8", 1)
+    d.mkdir(parents=True)
+    record = study.run_config("fp8", 1, []).model_dump(mode="json")
+    del record["algo"]["experimental"]  # a run made before that section existed
+    record["algo"]["calibration"]["calibrate_every"] = 7  # an old calibration default, calibration off
+    (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    check_existing_runs(study, [])
+    record["algo"]["calibration"]["enabled"] = True  # a calibrated run: its calibration settings count
+    (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    with pytest.raises(StudyError, match="algo.calibration.calibrate_every: 7 -> 20"):
+        check_existing_runs(study, [])
+    record["algo"]["calibration"].update(enabled=False, calibrate_every=20)
+    record["train"]["no_longer_a_field"] = 1
+    (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    with pytest.raises(StudyError, match="train.no_longer_a_field: 1 -> '.no such field now.'"):
+        check_existing_runs(study, [])
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ is exactly zero (`torch.where`, not max/min, which would split the gradient at t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -39,12 +39,15 @@ def log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, clamp: float =
     return (logprobs - old_logprobs).clamp(-clamp, clamp)
 
 
-def _ppo_parts(logprobs, old_logprobs, advantages, lower, upper, log_ratio_clamp):
+def _ppo_parts(logprobs, old_logprobs, advantages, lower, upper, log_ratio_clamp, decision_ratio=None):
+    """(ratio, per-token loss, clipped below, clipped above); the clip masks follow `decision_ratio` when given
+    (the experimental dose-response instrument, algo/error_scale.py), the active tokens' loss always `ratio`."""
     ratio = torch.exp(log_ratio(logprobs, old_logprobs, log_ratio_clamp))
+    decide = ratio if decision_ratio is None else decision_ratio.detach()
     lower = torch.as_tensor(lower, dtype=ratio.dtype, device=ratio.device).detach()
     upper = torch.as_tensor(upper, dtype=ratio.dtype, device=ratio.device).detach()
-    clip_lo = (advantages < 0) & (ratio < lower)
-    clip_hi = (advantages > 0) & (ratio > upper)
+    clip_lo = (advantages < 0) & (decide < lower)
+    clip_hi = (advantages > 0) & (decide > upper)
     bound = torch.where(clip_lo, lower, upper)
     loss = torch.where(clip_lo | clip_hi, -advantages * bound, -advantages * ratio)
     return ratio, loss, clip_lo, clip_hi
@@ -59,11 +62,16 @@ def ppo_clip_loss(
     upper: torch.Tensor,
     *,
     log_ratio_clamp: float = 20.0,
+    decision_ratio: Optional[torch.Tensor] = None,
     **_: object,
 ) -> PolicyLossOutput:
-    """PPO surrogate -min(r*A, clip(r, L, H)*A) with asymmetric ratio bounds L=lower, H=upper."""
-    ratio, loss, lo, hi = _ppo_parts(logprobs, old_logprobs, advantages, lower, upper, log_ratio_clamp)
-    return PolicyLossOutput(loss, ratio.detach(), lo, hi, torch.zeros_like(lo))
+    """PPO surrogate -min(r*A, clip(r, L, H)*A) with asymmetric ratio bounds L=lower, H=upper.
+
+    `decision_ratio` (experiment only): the ratio that decides which tokens are clipped; `ratio` in the output is then
+    that decision ratio, so clip fractions and ratio statistics describe what was clipped."""
+    ratio, loss, lo, hi = _ppo_parts(logprobs, old_logprobs, advantages, lower, upper, log_ratio_clamp, decision_ratio)
+    shown = ratio if decision_ratio is None else decision_ratio
+    return PolicyLossOutput(loss, shown.detach(), lo, hi, torch.zeros_like(lo))
 
 
 @POLICY_LOSSES.register("dual_clip")
@@ -76,14 +84,16 @@ def dual_clip_loss(
     *,
     dual_clip_c: torch.Tensor | float = 3.0,
     log_ratio_clamp: float = 20.0,
+    decision_ratio: Optional[torch.Tensor] = None,
     **_: object,
 ) -> PolicyLossOutput:
-    """Dual-clip PPO: as ppo, and for A < 0 the loss is capped at -c*A (ratio above c stops pushing)."""
-    ratio, loss, lo, hi = _ppo_parts(logprobs, old_logprobs, advantages, lower, upper, log_ratio_clamp)
+    """Dual-clip PPO: as ppo, and for A < 0 the loss is capped at -c*A (ratio above c stops pushing); `decision_ratio` as ppo."""
+    ratio, loss, lo, hi = _ppo_parts(logprobs, old_logprobs, advantages, lower, upper, log_ratio_clamp, decision_ratio)
+    shown = ratio if decision_ratio is None else decision_ratio
     c = torch.as_tensor(dual_clip_c, dtype=ratio.dtype, device=ratio.device).detach()
-    dual = (advantages < 0) & (ratio > c)
+    dual = (advantages < 0) & (shown > c)
     loss = torch.where(dual, -advantages * c, loss)
-    return PolicyLossOutput(loss, ratio.detach(), lo, hi & dual.logical_not(), dual)
+    return PolicyLossOutput(loss, shown.detach(), lo, hi & dual.logical_not(), dual)
 
 
 @POLICY_LOSSES.register("cispo")
@@ -95,9 +105,12 @@ def cispo_loss(
     upper: torch.Tensor,
     *,
     log_ratio_clamp: float = 20.0,
+    decision_ratio: Optional[torch.Tensor] = None,
     **_: object,
 ) -> PolicyLossOutput:
     """CISPO: -sg(clip(r, L, H)) * A * log pi; every token keeps a gradient, only its IS weight is clipped."""
+    if decision_ratio is not None:
+        raise ValueError("cispo clips no token's gradient: it has no clip decision for decision_ratio to change")
     ratio = torch.exp(log_ratio(logprobs, old_logprobs, log_ratio_clamp)).detach()
     lower = torch.as_tensor(lower, dtype=ratio.dtype, device=ratio.device).detach()
     upper = torch.as_tensor(upper, dtype=ratio.dtype, device=ratio.device).detach()

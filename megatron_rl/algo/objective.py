@@ -47,12 +47,14 @@ def policy_objective(
     cfg: AlgoConfig = AlgoConfig(),
     *,
     rollout_weight: Optional[torch.Tensor] = None,
+    clip_ratio: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """0-d loss = sum(token_weight * per-token loss) of one micro-batch, and its metrics in sum form.
 
     All per-token tensors are [B, S]. old_logprobs=None means on-policy (pi_old = pi,
     detached). rollout_weight (precomputed correction weights, e.g. sequence-level under
-    context parallelism) overrides the correction computed from rollout_logprobs.
+    context parallelism) overrides the correction computed from rollout_logprobs. clip_ratio (experiment only,
+    algo/error_scale.py) decides which tokens the ppo / dual_clip bounds clip; clip metrics then count by it.
     """
     if token_weight is None:
         raise ValueError("policy_objective needs token_weight (megatron_rl.algo.aggregation.token_weights)")
@@ -65,6 +67,7 @@ def policy_objective(
     out = policy_loss(
         p.name, logprobs, old, adv, lower, upper,
         dual_clip_c=torch.tensor(p.dual_clip_c, dtype=dt, device=dev), log_ratio_clamp=p.log_ratio_clamp,
+        **({} if clip_ratio is None else {"decision_ratio": clip_ratio}),
     )
     w = token_weight.to(logprobs.dtype) * mask
     sums: dict[str, torch.Tensor] = {}

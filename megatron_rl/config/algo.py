@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from megatron_rl.config.base import (NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Seed, StrictConfig,
                                      UnitFloat)
+from megatron_rl.config.experimental import ExperimentalConfig
 
 
 def _check(cond: bool, message: str) -> None:
@@ -197,6 +198,8 @@ class AlgoConfig(StrictConfig):
     """DAPO dynamic sampling and overlong shaping."""
     kl: KLConfig = KLConfig()
     """KL-to-reference penalty."""
+    experimental: ExperimentalConfig = ExperimentalConfig()
+    """Study instruments, off by default and refused in shipped configs (config/experimental.py)."""
     ratio_hist_bins: int = Field(512, ge=2)
     """Bins (>= 2) of the log-ratio histograms carried in the loss metrics (for ratio quantiles)."""
     ratio_hist_log_range: PositiveFloat = 2.0

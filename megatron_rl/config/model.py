@@ -12,7 +12,7 @@ class ModelConfig(StrictConfig):
     """Which architecture the learner builds (a preset, optionally with overrides)."""
 
     preset: str = "tiny"
-    """Architecture preset name (megatron_rl.models.presets: tiny, qwen3-0.6b, qwen3-8b, qwen3-14b, qwen3-32b, llama3-8b)."""
+    """Architecture preset name (megatron_rl.models.presets: tiny, tiny-deep, qwen3-0.6b, qwen3-8b, qwen3-14b, qwen3-32b, llama3-8b)."""
     num_layers: Optional[PositiveInt] = None
     """Override the preset's number of transformer layers."""
     hidden_size: Optional[PositiveInt] = None

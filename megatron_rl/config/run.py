@@ -104,6 +104,9 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
         # the first update of a step is on-policy (ratio 1 in high precision): nothing to calibrate on
         out.append(f"algo.calibration.enabled needs an off-policy update: train.num_minibatches * train.ppo_epochs "
                    f"= {t.num_minibatches} * {t.ppo_epochs} = {updates}, must be >= 2")
+    a = cfg.algo
+    out += a.experimental.problems(cfg.precision.recipe, a.policy_loss.name, a.calibration.enabled,
+                                   a.calibration.shadow_fraction, a.calibration.bounds_update)
     if layout:
         out.extend(layout_errors(cfg))
     if t.health.max_kl_ref is not None and cfg.algo.kl.coef == 0:

@@ -6,7 +6,7 @@ megatron side and `hf_config(arch)` a transformers Qwen3Config / Qwen2Config / L
 same maths (rope theta and Llama-3 rope scaling, norm eps, head_dim, qk-norm, qkv bias, tied
 embeddings), so weights map one-to-one. `architecture_from_hf` (models/hf_arch.py) derives an
 Architecture from an HF config.json instead of a preset.
-`tiny` trains on a CPU in seconds; the real shapes are only instantiated on GPUs.
+`tiny` trains on a CPU in seconds, `tiny-deep` (8 layers, width 64) in minutes; the real shapes are only instantiated on GPUs.
 """
 from __future__ import annotations
 
@@ -96,6 +96,10 @@ PRESETS: dict[str, Architecture] = {
     for a in (
         Architecture("tiny", "qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                      num_query_groups=2, head_dim=16, vocab_size=256, max_seq_len=128, rope_theta=10000.0,
+                     norm_eps=1e-6, qk_layernorm=True, tie_word_embeddings=False),
+        # the deep miniature (issue 18): depth over width, so low-precision error has layers to compound through
+        Architecture("tiny-deep", "qwen3", num_layers=8, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
+                     num_query_groups=2, head_dim=16, vocab_size=256, max_seq_len=64, rope_theta=10000.0,
                      norm_eps=1e-6, qk_layernorm=True, tie_word_embeddings=False),
         Architecture("qwen3-0.6b", "qwen3", num_layers=28, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16,
                      num_query_groups=8, head_dim=128, vocab_size=151936, max_seq_len=40960, rope_theta=1e6,

@@ -22,6 +22,7 @@ from megatron_rl.algo.losses import log_ratio
 from megatron_rl.algo.objective import default_bounds, policy_objective
 from megatron_rl.algo.rollout_correction import rollout_correction
 from megatron_rl.config.algo import AlgoConfig
+from megatron_rl.phases import error_scale
 from megatron_rl.types import TrainBatch
 
 
@@ -72,14 +73,14 @@ class RLLoss:
         self.sums: Optional[dict[str, torch.Tensor]] = None
         """Metric sums of this rank's micro-batches (vector histograms included), reduced by the loop."""
 
-    def _collect(self, logprobs: torch.Tensor, mb: TrainBatch) -> dict[str, torch.Tensor]:
+    def _collect(self, logprobs: torch.Tensor, mb: TrainBatch, clip_ratio: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """Add this micro-batch's tokens to the step's statistics (FP8: the plan's FP8 rows; high precision: the shadow
         rows of an event); returns the shadow metrics in sum form."""
         tap, clamp = self.tap, self.algo.policy_loss.log_ratio_clamp
         valid = mb.loss_mask > 0
         tokens = valid & tap.plan.fp8_row_mask(mb.sample_index, mb.batch_size).to(valid.device)[:, None]
         # the same clamp and formula as the objective, so the solve sees the ratios the loss clips
-        ratio = torch.exp(log_ratio(logprobs.detach(), mb.old_logprobs, clamp))
+        ratio = torch.exp(log_ratio(logprobs.detach(), mb.old_logprobs, clamp)) if clip_ratio is None else clip_ratio
         extra: dict[str, torch.Tensor] = {}
         ratio_hp, hp_mask = None, None
         if tap.stats.collect_reference:
@@ -106,14 +107,17 @@ class RLLoss:
         """0-d loss in global sum form for one micro-batch (its metric sums accumulate in `self.sums`)."""
         if mb.old_logprobs is None or mb.token_weight is None:
             raise ValueError("RL micro-batches need old_logprobs and token_weight")
-        extra = self._collect(logprobs, mb) if self.tap is not None else {}
+        # experiment-only dose-response instrument (phases/error_scale.py): None and {} unless it is on
+        clip_ratio, dose = error_scale.clip_decision(logprobs, mb, self.algo, self.bounds)
+        extra = self._collect(logprobs, mb, clip_ratio) if self.tap is not None else {}
         loss, sums = policy_objective(
             logprobs, mb.old_logprobs, mb.advantages, mb.token_weight, mb.loss_mask, self.bounds,
             rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy, cfg=self.algo,
-            rollout_weight=mb.rollout_weight,
+            rollout_weight=mb.rollout_weight, clip_ratio=clip_ratio,
         )
         if self.off_policy:
             sums.update({f"offpolicy/{k}": v for k, v in sums.items() if k.startswith("clipfrac")})
         sums.update(extra)
+        sums.update(dose)
         self.sums = M.add_sums(self.sums, sums)
         return loss, {}

@@ -11,6 +11,7 @@ the batch geometry every later phase relies on).
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional
 
 import torch
 
@@ -25,8 +26,13 @@ class DynamicSamplingError(RuntimeError):
     """DAPO dynamic sampling could not fill the step within algo.dapo.max_gen_batches generation rounds."""
 
 
-def score(batch: RolloutBatch, reward_fn: RewardFn, algo: AlgoConfig, max_new_tokens: int) -> dict[str, float]:
-    """Fill sample.reward / sample.correct in place (with DAPO overlong shaping when on); returns metrics."""
+def score(batch: RolloutBatch, reward_fn: RewardFn, algo: AlgoConfig, max_new_tokens: int,
+          is_malformed: Optional[Callable[[str], bool]] = None) -> dict[str, float]:
+    """Fill sample.reward / sample.correct in place (with DAPO overlong shaping when on); returns metrics.
+
+    With `is_malformed` (the task's format check, data/tasks.malformed_checker) `malformed/train` is the
+    fraction of the round's completions that do not parse in the task's format.
+    """
     for s in batch.samples:
         s.reward, s.correct = reward_fn(s.response_text, s.answer)
         s.reward = float(s.reward)
@@ -38,11 +44,14 @@ def score(batch: RolloutBatch, reward_fn: RewardFn, algo: AlgoConfig, max_new_to
         for s, p in zip(batch.samples, penalty.tolist()):
             s.reward += p
     n = max(len(batch.samples), 1)
-    return {
+    out = {
         "reward/mean": float(raw.mean()) if len(raw) else float("nan"),
         "reward/shaped_mean": sum(s.reward for s in batch.samples) / n,
         "accuracy/train": sum(s.correct for s in batch.samples) / n,
     }
+    if is_malformed is not None:
+        out["malformed/train"] = sum(is_malformed(s.response_text) for s in batch.samples) / n
+    return out
 
 
 class GroupCollector:

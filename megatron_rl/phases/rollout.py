@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -114,14 +114,26 @@ def generate_samples(client: RolloutClient, tokenizer, rows: Sequence[PromptRow]
     return RolloutBatch(samples=samples, n_per_prompt=n, stats=stats)
 
 
-def greedy_accuracy(client: RolloutClient, tokenizer, rows: Sequence[PromptRow], reward_fn: RewardFn, max_new_tokens: int) -> float:
-    """Fraction of held-out prompts whose greedy completion the reward function marks correct."""
+def greedy_eval(client: RolloutClient, tokenizer, rows: Sequence[PromptRow], reward_fn: RewardFn, max_new_tokens: int,
+                is_malformed: Optional[Callable[[str], bool]] = None) -> dict[str, float]:
+    """Greedy completions of held-out prompts: {"accuracy": fraction the reward marks correct, "malformed": fraction
+    that does not parse in the task's format (only with `is_malformed`)}."""
     if not rows:
-        return float("nan")
+        return {"accuracy": float("nan")}
     params = {"n": 1, "temperature": 0.0, "max_new_tokens": max_new_tokens, "stop_token_ids": [tokenizer.eos_token_id]}
     results = client.generate_batch_sync(encode_prompts(tokenizer, rows), params, return_logprob=False)
-    correct = 0
+    correct = malformed = 0
     for row, outs in zip(rows, results):
-        _, ok = reward_fn(_decode_response(tokenizer, outs[0].output_ids), row.answer)
+        text = _decode_response(tokenizer, outs[0].output_ids)
+        _, ok = reward_fn(text, row.answer)
         correct += int(ok)
-    return correct / len(rows)
+        malformed += int(is_malformed(text)) if is_malformed is not None else 0
+    out = {"accuracy": correct / len(rows)}
+    if is_malformed is not None:
+        out["malformed"] = malformed / len(rows)
+    return out
+
+
+def greedy_accuracy(client: RolloutClient, tokenizer, rows: Sequence[PromptRow], reward_fn: RewardFn, max_new_tokens: int) -> float:
+    """Fraction of held-out prompts whose greedy completion the reward function marks correct."""
+    return greedy_eval(client, tokenizer, rows, reward_fn, max_new_tokens)["accuracy"]

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from megatron_rl.precision.numerics import E4M3_MAX, _expand_blocks, block_amax
+from megatron_rl.precision.numerics import E4M3_MAX, _abs_no_nan, _expand_blocks, block_amax
 
 ScaleFmt = Literal["fp32", "ue8m0"]
 
@@ -78,6 +78,15 @@ def quantize_activation_groups(x: torch.Tensor, group: int = 128, scale_fmt: Sca
 
 def fake_quantize_activation_groups(x: torch.Tensor, group: int = 128, scale_fmt: ScaleFmt = "fp32") -> torch.Tensor:
     """dequant(quant(x)) for per-token 1 x group groups, in x's dtype."""
+    cols = x.shape[-1]
+    if cols <= group or cols % group == 0:
+        # the groups tile each row: a [rows, groups, width] view broadcasts the scales instead of expanding them
+        # (the rollout engine runs this on every linear of every decoding step); the same fp32 operations
+        # element by element, so the same bits as the general path below (tests/precision/test_w8a8.py)
+        xg = x.reshape(-1, 1, cols) if cols <= group else x.reshape(-1, cols // group, group)
+        s = _scale_inv(_abs_no_nan(xg).amax(dim=-1, keepdim=True), scale_fmt)
+        q = torch.clamp(xg.float() / s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return (q.float() * s).reshape(x.shape).to(x.dtype)
     q, s = quantize_activation_groups(x, group, scale_fmt)
     x2d = q.reshape(-1, x.shape[-1])
     out = dequantize_blockwise(x2d, s.reshape(x2d.shape[0], -1), (1, group))

@@ -19,8 +19,11 @@ import numpy as np
 DUMP_RE = re.compile(r"step_(\d+)\.rank(\d+)\.npz$")
 """File name of one calibration step's token dump of one rank."""
 CURVE_KEYS = ("clipfrac_lower_neg", "hp/clipfrac_lower_neg", "clipfrac_upper_pos", "entropy", "reward/mean",
-              "accuracy/train", "fp8/log_ratio_abs_err")
-"""Panels of curves.png."""
+              "accuracy/train", "malformed/train", "accuracy/eval", "malformed/eval", "fp8/log_ratio_abs_err")
+"""Panels of curves.png (a metric no run logged gets no panel: malformed/* needs a task with an answer format,
+*/eval needs train.eval_every)."""
+OPTIONAL_CURVE_KEYS = ("malformed/train", "accuracy/eval", "malformed/eval")
+"""Curve keys left out of curves.png when no run of the study logged them."""
 BOUND_KEYS = (("calib/lower", "calib/solve_lower", "L"), ("calib/upper", "calib/solve_upper", "H"))
 """(bound in force, raw solve drawn as markers, panel title) of bounds.png."""
 SPARSE_FRACTION = 0.5
@@ -117,6 +120,8 @@ def _pyplot():
 def plot_curves(by_arm: dict[str, Sequence], steps: int, out: Path, keys: Sequence[str] = CURVE_KEYS, window: int = 1) -> Path:
     """curves.png: one panel per metric, a line per arm (mean over seeds, band = min-max over seeds); sparse metrics as markers."""
     plt = _pyplot()
+    keys = [k for k in keys if k not in OPTIONAL_CURVE_KEYS
+            or any(k in row for recs in by_arm.values() for r in recs for row in r.rows)]
     cols = 3
     rows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)

@@ -52,6 +52,11 @@ METRICS = (
     MetricDef("reward (mean)", "reward/mean", "mean", "mean rollout reward; mean over all steps"),
     MetricDef("held-out accuracy before RL", "eval_before", "eval", "greedy accuracy on the held-out prompts before the first RL step"),
     MetricDef("held-out accuracy after RL", "eval_after", "eval", "greedy accuracy on the held-out prompts after the last RL step"),
+    MetricDef("malformed (last)", "malformed/train", "tail",
+              "fraction of sampled answers that do not parse in the task's format (garbled outputs); mean over the last tail_fraction of steps"),
+    MetricDef("malformed (max)", "malformed/train", "max", "largest per-step malformed fraction of sampled answers (a burst of garbled outputs shows here)"),
+    MetricDef("held-out malformed after RL", "eval_malformed_after", "eval",
+              "fraction of greedy held-out answers that do not parse in the task's format, after the last RL step"),
     MetricDef("L (lower bound)", "calib/lower", "mean", "lower clip bound in force (1 - eps_low unless calibrated); mean over all steps"),
     MetricDef("H (upper bound)", "calib/upper", "mean", "upper clip bound in force (1 + eps_high unless calibrated); mean over all steps"),
     MetricDef("alpha target", "calib/alpha_target", "calib",
@@ -181,6 +186,9 @@ def resume_step(run_dir: Path) -> int:
     return int(pickle.loads((Path(path) / RL_STATE_FILE).read_bytes())["step"]) + 1
 
 
+EVAL_KEYS = ("eval_before", "eval_after", "eval_malformed_before", "eval_malformed_after")
+"""Held-out evaluation entries of a finished run's RL state (the malformed ones only for tasks with an answer format)."""
+
 ATTEMPTS_FILE = "study_attempts.jsonl"
 """Per run directory: one JSON line per runner invocation (start, wall time, return code, resumed-from step)."""
 
@@ -204,7 +212,7 @@ def collect(study, steps: int) -> list[RunRecord]:
         cfg_path = run_dir / "config.yaml"
         records.append(RunRecord(
             arm=arm, seed=seed, run_dir=run_dir, status=status, rows=read_rows(run_dir),
-            evals={k: float(state[k]) for k in ("eval_before", "eval_after") if state and _finite(state.get(k))},
+            evals={k: float(state[k]) for k in EVAL_KEYS if state and _finite(state.get(k))},
             wall_s=sum(float(a.get("wall_s", 0.0)) for a in attempts),
             config=load_yaml_file(cfg_path) if cfg_path.exists() else None,
         ))
@@ -315,7 +323,7 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
         f"    megatron-rl study {study.spec_path} --report-only   # this file and the figures from the runs on disk",
         "",
     ]
-    out = study.out / "RESULTS.md"
+    out = study.report_out / "RESULTS.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     return out

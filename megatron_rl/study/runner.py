@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import yaml
@@ -117,23 +117,40 @@ def check_existing_runs(study: Study, warm: list[str]) -> None:
                              f"seed {seed} ({'; '.join(diff[:4])}); delete that run directory or use another output_dir")
 
 
+_ABSENT = object()
+
+
 def _diff(old, new, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested dicts."""
+    """Dotted keys whose values differ between a recorded config and the one a spec implies now, except what cannot
+    change a run: fields the record lacks (added to the code since, with defaults that keep the old behaviour, as the
+    project's configs do) and algo.calibration.* while calibration is off in both (no part of it is read then).
+    So runs made before such an addition, or before a change of calibration defaults, are reused, not refused."""
     if isinstance(old, dict) and isinstance(new, dict):
+        if prefix == "algo.calibration." and old.get("enabled") is False and new.get("enabled") is False:
+            return []
         out = []
         for k in sorted(set(old) | set(new), key=str):
-            out += _diff(old.get(k), new.get(k), f"{prefix}{k}.")
+            if k not in old:
+                continue
+            out += _diff(old.get(k, _ABSENT), new.get(k, _ABSENT), f"{prefix}{k}.")
         return out
+    if new is _ABSENT:
+        new = "(no such field now)"
     return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
 
 
-def run_study(study: Study, report_only: bool = False, say: Callable[[str], None] = print) -> int:
-    """Run whatever is missing, then write RESULTS.md and the figures; returns the number of failed runs."""
+def run_study(study: Study, report_only: bool = False, say: Callable[[str], None] = print,
+              only_arms: Optional[Sequence[str]] = None) -> int:
+    """Run whatever is missing (of `only_arms` when given), then write RESULTS.md and the figures; returns the number of failed runs."""
     failed = 0
+    names = [a.name for a in study.spec.arms]
+    unknown = sorted(set(only_arms or ()) - set(names))
+    if unknown:
+        raise StudyError(f"{study.spec_path}: --arms {' '.join(unknown)}: not arms of this study ({', '.join(names)})")
     if not report_only:
         warm = prepare_warm_start(study, say)
         check_existing_runs(study, warm)
-        runs = study.runs()
+        runs = [(arm, seed) for arm, seed in study.runs() if only_arms is None or arm in only_arms]
         for k, (arm, seed) in enumerate(runs, 1):
             run_dir = study.run_dir(arm, seed)
             if results.final_rl_state(run_dir, study.spec.steps) is not None:
@@ -163,13 +180,13 @@ def write_report(study: Study) -> Path:
     records = results.collect(study, study.spec.steps)
     by_arm = {a.name: [r for r in records if r.arm == a.name and r.rows] for a in study.spec.arms}
     notes, figures = [], {}
-    study.out.mkdir(parents=True, exist_ok=True)
+    study.report_out.mkdir(parents=True, exist_ok=True)
     if any(by_arm.values()):
         # a window wider than a tenth of the run would flatten short runs into one value
         window = min(study.spec.smooth_window, max(1, study.spec.steps // 10))
-        plots.plot_curves(by_arm, study.spec.steps, study.out / "curves.png", window=window)
+        plots.plot_curves(by_arm, study.spec.steps, study.report_out / "curves.png", window=window)
         figures["Curves per arm (mean over seeds, band: min-max over seeds; shadow-step metrics as markers)"] = "curves.png"
-        plots.plot_bounds(by_arm, study.spec.steps, study.out / "bounds.png")
+        plots.plot_bounds(by_arm, study.spec.steps, study.report_out / "bounds.png")
         figures["Clip bounds L and H over steps (markers: raw solves; dotted: 1 - eps_low, 1 + eps_high)"] = "bounds.png"
     dumps: dict[str, Optional[dict]] = {}
     for arm in study.spec.arms:
@@ -179,7 +196,7 @@ def write_report(study: Study) -> Path:
             notes.append(f"arm `{arm.name}`: no calibration token dumps (runs/<arm>/seed*/calibration/step_*.npz), so no "
                          "log-ratio histogram: they are written on calibration steps with tracking.dump_ratios: true")
     if any(d is not None for d in dumps.values()):
-        plots.plot_ratio_histograms(dumps, study.out / "ratio_hist.png")
+        plots.plot_ratio_histograms(dumps, study.report_out / "ratio_hist.png")
         figures["Per-token low-precision minus high-precision log-ratio, split by advantage sign (calibration steps)"] = "ratio_hist.png"
     for r in records:
         if r.status != "done":

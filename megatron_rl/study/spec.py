@@ -73,6 +73,9 @@ class StudySpec(StrictConfig):
     """Base run config (YAML), relative to the spec file."""
     output_dir: str
     """Study directory: warm_start/, runs/<arm>/seed<seed>/, RESULTS.md and the plots (relative to the working directory)."""
+    report_dir: Optional[str] = None
+    """Where RESULTS.md and the plots go (relative to the working directory); default output_dir. Specs sharing one
+    output_dir (and so its runs) keep their reports apart with it."""
     steps: int
     """RL steps of every run (train.steps)."""
     seeds: list[int] = [1]
@@ -158,6 +161,7 @@ class Study:
         self.base = (spec_path.parent / spec.base).resolve()
         self.out = Path(spec.output_dir)
         self.warm_dir = self.out / "warm_start"
+        self.report_out = Path(spec.report_dir) if spec.report_dir else self.out
 
     def run_dir(self, arm: str, seed: int) -> Path:
         """Directory of one arm-seed run."""

@@ -159,6 +159,9 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
         ("wall time (s)", f"{wall_s:.1f}" + (f" (summed over {sessions} sessions; earlier ones up to their last checkpoint)" if sessions > 1 else "")),
         *context,
     ]
+    if any("malformed/train" in r for r in rows):  # tasks with an answer format (data/tasks.py)
+        out.insert(6, ("malformed answers, train (mean of first 20% -> mean of last 20% of steps)",
+                       f"{fmt(mean_of(head, 'malformed/train'))} -> {fmt(mean_of(tail, 'malformed/train'))}"))
     if plots:
         stems = [Path(p).stem for p in plots]
         names = stems[0] if len(stems) == 1 else "{" + ",".join(stems) + "}"

@@ -165,3 +165,20 @@ def test_convert_in_place_matches_reference(mode):
     xq, xs = ckpt_quantize(x.numpy(), act)
     want = torch.from_numpy(ckpt_dequantize(xq, xs, act)) @ torch.from_numpy(ckpt_dequantize(rq, rs, block)).t()
     assert torch.equal(lin(x), want)
+
+
+@pytest.mark.parametrize("cols, group", [(64, 128), (128, 128), (256, 128), (32, 16), (100, 128), (200, 128)])
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+def test_activation_fast_path_is_bitwise_the_general_one(cols, group, scale_fmt):
+    """Rows tiled by their groups take a broadcast fast path; it must give the general path's bits, specials included."""
+    from megatron_rl.precision.blockwise import dequantize_blockwise, fake_quantize_activation_groups, quantize_activation_groups
+
+    g = torch.Generator().manual_seed(cols + group)
+    x = torch.randn(3, 5, cols, generator=g) * torch.logspace(-6, 3, cols)
+    x[0, 0] = 0.0  # an all-zero row: the amax floor
+    x[0, 1, 0], x[0, 1, 1], x[0, 2, 2] = float("nan"), float("inf"), -1e9  # NaN is skipped by amax, inf saturates
+    q, s = quantize_activation_groups(x, group, scale_fmt)
+    general = dequantize_blockwise(q.reshape(-1, cols), s.reshape(15, -1), (1, group)).reshape(x.shape)
+    fast = fake_quantize_activation_groups(x, group, scale_fmt)
+    assert torch.equal(fast.isnan(), general.isnan())
+    assert torch.equal(torch.nan_to_num(fast), torch.nan_to_num(general))

@@ -1,0 +1,68 @@
+"""The dose-response instrument inside a step (experiment only: algo.experimental.clip_error_scale = k != 1).
+
+The clip decision of every training token uses r_k = r_hp * (r_lp / r_hp)^k (algo/error_scale.py), so
+every token needs its high-precision ratio: pi_old_hp of the whole step batch after the log-probs phase
+(`with_old_logprobs_hp`) and the current policy's high-precision log-probs before every update
+(`with_logprobs_hp`; the step's first update runs on pi_old's weights, so it reuses pi_old_hp). Calibration
+steps that already ran these shadow forwards (all rows) are not repeated. In the loss
+(`clip_decision`): r_k for the clip masks, plus `experimental/*` clip fractions under the unscaled
+low-precision and the high-precision ratios of the same tokens and bounds. Off (k = 1) everything here is
+a no-op and costs nothing.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_rl.algo import metrics as M
+from megatron_rl.algo.error_scale import error_scaled_ratio
+from megatron_rl.algo.losses import log_ratio
+from megatron_rl.algo.objective import default_bounds
+from megatron_rl.config.algo import AlgoConfig
+from megatron_rl.parallel import state
+from megatron_rl.parallel.comm import all_gather_dp_rows
+from megatron_rl.phases.batching import dp_shard
+from megatron_rl.phases.logprobs import current_logprobs_hp
+from megatron_rl.types import TrainBatch
+
+
+def active(algo: AlgoConfig) -> bool:
+    """Whether the instrument is on (k != 1)."""
+    return algo.experimental.clip_error_scale != 1.0
+
+
+def with_old_logprobs_hp(learner, batch: TrainBatch, micro_batch_size: int, algo: AlgoConfig) -> TrainBatch:
+    """The step batch with high-precision pi_old on every row (each DP rank forwards its shard, rows all-gathered)."""
+    if not active(algo) or batch.old_logprobs_hp is not None:
+        return batch
+    shard = dp_shard(batch, state.dp_rank(), state.dp_size())
+    return batch.with_fields(old_logprobs_hp=all_gather_dp_rows(current_logprobs_hp(learner, shard, micro_batch_size)))
+
+
+def with_logprobs_hp(learner, mb: TrainBatch, micro_batch_size: int, algo: AlgoConfig, first_update: bool) -> TrainBatch:
+    """This rank's mini-batch shard with the current policy's high-precision log-probs (pi_old_hp on the first update)."""
+    if not active(algo) or mb.logprobs_hp is not None:
+        return mb
+    if first_update:  # no optimizer step yet: the current weights are pi_old's
+        return mb.with_fields(logprobs_hp=mb.old_logprobs_hp)
+    return mb.with_fields(logprobs_hp=current_logprobs_hp(learner, mb, micro_batch_size))
+
+
+def clip_decision(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig,
+                  bounds: Optional[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor]]:
+    """(r_k for the loss's clip masks, `experimental/*` metric sums); (None, {}) when the instrument is off."""
+    if not active(algo):
+        return None, {}
+    if mb.logprobs_hp is None or mb.old_logprobs_hp is None:
+        raise ValueError("algo.experimental.clip_error_scale needs logprobs_hp and old_logprobs_hp in every micro-batch")
+    clamp = algo.policy_loss.log_ratio_clamp
+    lp_hp, old_hp = mb.logprobs_hp.to(logprobs.device), mb.old_logprobs_hp.to(logprobs.device)
+    r_k = error_scaled_ratio(logprobs, mb.old_logprobs, lp_hp, old_hp, algo.experimental.clip_error_scale, clamp)
+    lower, upper = default_bounds(algo, logprobs.device) if bounds is None else bounds
+    sums: dict[str, torch.Tensor] = {}
+    r_lp = torch.exp(log_ratio(logprobs.detach(), mb.old_logprobs, clamp))
+    r_hp = torch.exp(log_ratio(lp_hp, old_hp, clamp))
+    sums.update(M.clip_fraction_sums(r_lp, mb.advantages, mb.loss_mask, lower, upper, prefix="experimental/lp_"))
+    sums.update(M.clip_fraction_sums(r_hp, mb.advantages, mb.loss_mask, lower, upper, prefix="experimental/hp_"))
+    return r_k, sums

@@ -1,0 +1,115 @@
+"""The dose-response view of a study: harm against the instrument's k (algo.experimental.clip_error_scale).
+
+    python tools/dose_response.py examples/studies/deep_addtrace_dose.yaml   # -> <report_dir>/DOSE.md, dose.png
+
+Each arm's k is its `algo.experimental.clip_error_scale` override (1 without one), and it is `calibrated` when it
+sets `algo.calibration.enabled: true`; arms with a recipe of none are the high-precision reference. For every
+(k, calibrated) pair the table gives mean [min, max] over finished seeds of the metrics below (definitions:
+megatron_rl/study/results.py); the figure draws them against k, vanilla and calibrated, with the reference's
+seed range as a band. Pure reading of finished runs: nothing is trained here.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_rl.study import results
+
+DOSE_METRICS = ("clipfrac_lower_neg", "reward (mean)", "reward (last)", "entropy (last)", "entropy (max)",
+                "malformed (last)", "held-out accuracy after RL", "held-out malformed after RL")
+"""Rows of the dose table (labels of results.METRICS)."""
+
+
+def arm_dose(overrides: dict[str, Any]) -> tuple[Optional[float], bool]:
+    """(k, calibrated) of an arm from its overrides; k is None for a high-precision arm (recipe none)."""
+    if overrides.get("precision.recipe", "none") == "none":
+        return None, False
+    return float(overrides.get("algo.experimental.clip_error_scale", 1.0)), bool(overrides.get("algo.calibration.enabled", False))
+
+
+def _cell(s: results.SeedStats) -> str:
+    f = s.finite
+    if not f:
+        return "n/a"
+    return f"{s.mean:.4g} [{min(f):.4g}, {max(f):.4g}]"
+
+
+def dose_table(study) -> tuple[str, dict]:
+    """(markdown, {metric: {(k, calibrated): SeedStats}} plus the reference arm's stats under key None)."""
+    records = results.collect(study, study.spec.steps)
+    names = [a.name for a in study.spec.arms]
+    stats = results.arm_stats(records, names, study.spec.tail_fraction)
+    dose: dict[str, dict] = {m: {} for m in DOSE_METRICS}
+    ref_name = None
+    for arm in study.spec.arms:
+        k, calibrated = arm_dose(arm.overrides)
+        if k is None:
+            ref_name = ref_name or arm.name
+            for m in DOSE_METRICS:
+                dose[m][None] = stats[arm.name][m]
+            continue
+        for m in DOSE_METRICS:
+            dose[m][(k, calibrated)] = stats[arm.name][m]
+    keys = sorted({key for m in dose.values() for key in m if key is not None}, key=lambda x: (x[1], x[0]))
+    header = ["metric", *(f"{'calibrated' if c else 'vanilla'} k={k:g}" for k, c in keys)]
+    if ref_name:
+        header.insert(1, f"{ref_name} (reference)")
+    lines = [f"# Dose-response: {study.spec_path.name}", "",
+             "Mean [min, max] over finished seeds; k multiplies the low-precision ratio error the clip decision sees "
+             "(algo.experimental.clip_error_scale, experiment only).", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for m in DOSE_METRICS:
+        row = [m] + ([_cell(dose[m][None])] if ref_name else []) + [_cell(dose[m][key]) for key in keys]
+        lines.append("| " + " | ".join(row) + " |")
+    seeds = {name: sum(r.status == "done" for r in records if r.arm == name) for name in names}
+    lines += ["", "Finished seeds per arm: " + ", ".join(f"`{n}` {c}" for n, c in seeds.items()) + ".", ""]
+    return "\n".join(lines), dose
+
+
+def plot_dose(dose: dict, out: Path) -> Path:
+    """dose.png: one panel per metric, the metric against k (log2 axis), vanilla and calibrated, reference band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 4
+    rows = math.ceil(len(DOSE_METRICS) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, m in zip(axes.flat, DOSE_METRICS):
+        ref = dose[m].get(None)
+        if ref is not None and ref.finite:
+            ax.axhspan(min(ref.finite), max(ref.finite), color="gray", alpha=0.25, lw=0, label="reference (seed range)")
+        for calibrated, color in ((False, "tab:red"), (True, "tab:blue")):
+            pts = sorted((k, s) for (k, c), s in ((key, v) for key, v in dose[m].items() if key is not None)
+                         if c == calibrated and s.finite)
+            if not pts:
+                continue
+            ks = [k for k, _ in pts]
+            mean = [s.mean for _, s in pts]
+            lo = [s.mean - min(s.finite) for _, s in pts]
+            hi = [max(s.finite) - s.mean for _, s in pts]
+            ax.errorbar(ks, mean, yerr=[lo, hi], marker="o", ms=4, capsize=2, color=color,
+                        label="calibrated" if calibrated else "vanilla")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("k (error scale)")
+        ax.set_title(m, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    for ax in list(axes.flat)[len(DOSE_METRICS):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_dose_report(study) -> Path:
+    """<report_dir>/DOSE.md and dose.png from the study's runs as they are."""
+    text, dose = dose_table(study)
+    study.report_out.mkdir(parents=True, exist_ok=True)
+    plot_dose(dose, study.report_out / "dose.png")
+    out = study.report_out / "DOSE.md"
+    out.write_text(text + "\n![Harm against k](dose.png)\n")
+    return out

@@ -1,0 +1,120 @@
+"""The dose-response instrument's configuration and loss hook (algo.experimental.clip_error_scale, experiment only):
+no shipped training config sets it, combinations it cannot serve are refused by name, and in the RL loss it moves
+only the clip decision (same loss and gradient as the ordinary loss when the low-precision error is zero), feeding
+the calibration tap the ratio the loss clipped by."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.algo.calibration_plan import CalibrationPlan
+from megatron_rl.algo.clipper import CalibratedClipper
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config.algo import AlgoConfig, CalibrationConfig
+from megatron_rl.config.experimental import ExperimentalConfig
+from megatron_rl.config.train import TrainConfig
+from megatron_rl.phases import batching, error_scale
+from megatron_rl.phases.loss import CalibrationTap, RLLoss
+from megatron_rl.types import Sample
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "examples" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_no_shipped_training_config_turns_the_instrument_on(path):
+    assert load_config(path).algo.experimental == ExperimentalConfig()
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["algo.experimental.clip_error_scale=2"], "precision.recipe=none"),
+    (["precision.recipe=blockwise", "algo.experimental.clip_error_scale=2", "algo.policy_loss.name=cispo"], "cispo"),
+    (["precision.recipe=blockwise", "algo.experimental.clip_error_scale=2", "algo.calibration.enabled=true",
+      "algo.calibration.shadow_fraction=0.5"], "shadow_fraction"),
+    (["precision.recipe=blockwise", "algo.experimental.clip_error_scale=2", "algo.calibration.enabled=true",
+      "algo.calibration.bounds_update=per_minibatch"], "per_minibatch"),
+    (["precision.recipe=blockwise", "algo.experimental.clip_error_scale=100"], "algo.experimental.clip_error_scale"),
+])
+def test_combinations_it_cannot_serve_are_refused_by_name(overrides, fragment):
+    with pytest.raises(ConfigError, match="algo.experimental.clip_error_scale") as exc:
+        load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml", overrides)
+    assert fragment in str(exc.value)
+
+
+def test_a_study_may_set_it():
+    cfg = load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
+                      ["precision.recipe=blockwise", "algo.experimental.clip_error_scale=4"])
+    assert cfg.algo.experimental.clip_error_scale == 4.0
+
+
+class _Ctx:
+    micro_batch_index = 0
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    samples = [Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5, 6, 7, 8], rollout_logprobs=[-0.1] * 6,
+                      finish_reason="stop", group_id=i // 4) for i in range(8)]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.2, -0.2])
+    batch = batching.with_token_weights(batching.build_train_batch(samples, adv, pad_id=0), "token-mean")
+    old = torch.randn(batch.input_ids.shape, generator=g) * 0.1 - 1.0
+    drift = 0.15 * torch.randn(old.shape, generator=g)
+    logprobs = (old + drift).requires_grad_()
+    return batch.with_fields(old_logprobs=old), logprobs, drift
+
+
+def _run(algo, batch, logprobs, tap=None):
+    lp = logprobs.detach().clone().requires_grad_()
+    loss_fn = RLLoss(algo, None, tap)
+    loss, _ = loss_fn(lp, torch.zeros_like(lp), batch, _Ctx())
+    loss.backward()
+    return loss, lp.grad, loss_fn.sums
+
+
+def test_without_low_precision_error_the_loss_and_gradient_are_the_ordinary_ones():
+    batch, logprobs, _ = _batch()
+    # high-precision log-probs equal to the learner's: r_hp = r_lp, so r_k = r_lp for every k
+    hp = batch.with_fields(old_logprobs_hp=batch.old_logprobs.clone(), logprobs_hp=logprobs.detach().clone())
+    plain_loss, plain_grad, plain_sums = _run(AlgoConfig(), batch, logprobs)
+    algo = AlgoConfig(experimental=ExperimentalConfig(clip_error_scale=8.0))
+    loss, grad, sums = _run(algo, hp, logprobs)
+    assert torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)
+    for key, value in plain_sums.items():
+        assert torch.equal(sums[key], value), key
+    assert {k for k in sums if k.startswith("experimental/")} >= {"experimental/lp_clipfrac_lower_neg/num",
+                                                                  "experimental/hp_clipfrac_lower_neg/num"}
+
+
+def test_scaled_error_moves_the_mask_and_the_tap_sees_the_decision_ratio():
+    batch, logprobs, drift = _batch(1)
+    # a low-precision error of -0.05 on every token's log-ratio: k = 4 pushes ratios down by 0.15 more
+    old_hp = batch.old_logprobs.clone()
+    hp = batch.with_fields(old_logprobs_hp=old_hp, logprobs_hp=old_hp + drift + 0.05)
+    algo = AlgoConfig(experimental=ExperimentalConfig(clip_error_scale=4.0),
+                      calibration=CalibrationConfig(enabled=True, calibrate_every=1))
+    plan = CalibrationPlan.build(0, algo.calibration, TrainConfig(num_minibatches=2), batch_size=8)
+    stats = CalibratedClipper(algo.calibration, eps_low=0.2, eps_high=0.2).new_stats(reference=True, record=True)
+    _, grad, sums = _run(algo, hp, logprobs, CalibrationTap(plan, stats, update=1))
+    mask = hp.loss_mask > 0
+    lr = (logprobs.detach() - batch.old_logprobs)
+    r_k = torch.exp(lr + 3.0 * (lr - (drift + 0.05)))
+    clipped = mask & (((hp.advantages < 0) & (r_k < 0.8)) | ((hp.advantages > 0) & (r_k > 1.2)))
+    plain_clipped = mask & (((hp.advantages < 0) & (torch.exp(lr) < 0.8)) | ((hp.advantages > 0) & (torch.exp(lr) > 1.2)))
+    assert clipped.sum() > plain_clipped.sum()  # the data makes the instrument matter
+    assert torch.all(grad[clipped] == 0) and torch.all(grad[mask & ~clipped] != 0)
+    torch.testing.assert_close(torch.from_numpy(stats.dump_arrays()["ratio"]), r_k[mask].double(), rtol=1e-6, atol=0)
+    neg = mask & (hp.advantages < 0)
+    got = float(sums["clipfrac_lower_neg/num"]) / float(sums["clipfrac_lower_neg/den"])
+    assert got == pytest.approx(float((neg & (r_k < 0.8)).sum()) / float(neg.sum()))
+
+
+def test_first_update_reuses_pi_old_hp_and_off_is_free():
+    batch, _, _ = _batch()
+    on = AlgoConfig(experimental=ExperimentalConfig(clip_error_scale=2.0))
+    b = batch.with_fields(old_logprobs_hp=batch.old_logprobs + 1.0)
+    assert error_scale.with_logprobs_hp(None, b, 4, on, first_update=True).logprobs_hp is b.old_logprobs_hp
+    assert error_scale.with_logprobs_hp(None, batch, 4, AlgoConfig(), first_update=False) is batch
+    assert error_scale.with_old_logprobs_hp(None, batch, 4, AlgoConfig()) is batch
+    assert error_scale.clip_decision(batch.old_logprobs, batch, AlgoConfig(), None) == (None, {})
