@@ -105,7 +105,7 @@ def test_engine_names_mismatched_tensors_in_its_own_message(tmp_path):
     import transformers
 
     from megatron_rl.models.presets import get_preset, hf_config
-    from megatron_rl.rollout.engine import load_hf_model
+    from megatron_rl.engine.generation import load_hf_model
 
     config = hf_config(get_preset("tiny"))
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")

@@ -55,7 +55,7 @@ def _greedy_decode(model, tokenizer, prompts: list[str], max_new_tokens: int = 6
 
 def test_greedy_accuracy_is_what_greedy_decoding_scores(tmp_path):
     from megatron_rl.parallel import state
-    from megatron_rl.rollout.engine import load_hf_model
+    from megatron_rl.engine.generation import load_hf_model
     from megatron_rl.sft import greedy_accuracy, run_sft
     from megatron_rl.trainer.learner import Learner
     from megatron_rl.warm_start import load_initial_weights

@@ -130,7 +130,7 @@ def test_dose_report_groups_arms_by_k_and_calibration(tmp_path):
             {"name": "fp8", "overrides": {"precision.recipe": "blockwise"}},
             {"name": "fp8_k4", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0}},
             {"name": "fp8_calib_k4", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0,
-                                                   "algo.calibration.enabled": True}}]
+                                                   "algo.calibration.enabled": True, "algo.calibration.shadow_fraction": 1.0}}]
     study = load_study(_spec(tmp_path, arms=arms))
     assert [arm_dose(a.overrides) for a in study.spec.arms] == [(None, False), (1.0, False), (4.0, False), (4.0, True)]
     for arm, k in (("hp", 0.5), ("fp8", 1.0), ("fp8_k4", 4.0)):
@@ -241,7 +241,7 @@ def test_fields_added_since_and_calibration_defaults_of_uncalibrated_runs_do_not
     check_existing_runs(study, [])
     record["algo"]["calibration"]["enabled"] = True  # a calibrated run: its calibration settings count
     (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
-    with pytest.raises(StudyError, match="algo.calibration.calibrate_every: 7 -> 20"):
+    with pytest.raises(StudyError, match=f"algo.calibration.calibrate_every: 7 -> {study.run_config('fp8', 1, []).algo.calibration.calibrate_every}"):
         check_existing_runs(study, [])
     record["algo"]["calibration"].update(enabled=False, calibrate_every=20)
     record["train"]["no_longer_a_field"] = 1

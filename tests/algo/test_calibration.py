@@ -297,7 +297,7 @@ def test_plan_decides_events_off_policy_updates_and_rows():
     from megatron_rl.config.train import TrainConfig
 
     train = TrainConfig(num_minibatches=3, ppo_epochs=2)
-    cfg = _cfg(calibrate_every=4, bounds_update="per_calibration")
+    cfg = _cfg(calibrate_every=4, bounds_update="per_calibration", shadow_fraction=1.0)
     p0, p1 = CalibrationPlan.build(0, cfg, train, 24), CalibrationPlan.build(1, cfg, train, 24)
     assert p0.event and p0.shadow and not p1.event and not p1.shadow and not p0.per_minibatch
     updates = [(e, k) for e in range(2) for k in range(3)]
