@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -76,9 +77,14 @@ def train_command(run_dir: Path, overrides: Sequence[str], nproc: int = 1) -> li
 
 def train(run_dir: Path, overrides: Sequence[str], nproc: int = 1, timeout: float = 600) -> list[dict]:
     """Run training to the end and return its metrics.jsonl rows."""
-    proc = subprocess.run(train_command(run_dir, overrides, nproc), env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"train failed (rc={proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    # files, not pipes: a helper the run leaves behind (torch's shared-memory manager under the tensor transport)
+    # would hold a pipe open and block the read long after the trainer exited
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run(train_command(run_dir, overrides, nproc), env=cli_env(), stdout=out, stderr=err, text=True,
+                              timeout=timeout)
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert proc.returncode == 0, f"train failed (rc={proc.returncode}):\n{stdout[-2000:]}\n{stderr[-6000:]}"
     return read_rows(run_dir)
 
 
