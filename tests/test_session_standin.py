@@ -186,6 +186,35 @@ def test_transports_sync_through_every_plausible_standin(backends, compat, serve
         assert call(engine, "/update_weights_from_disk", {"model_path": str(root / "base")})[0] == 200
 
 
+def test_a_refused_distributed_update_fails_at_once_and_the_next_sync_forms_a_group(backends):
+    """An update outside a session is refused before any tensor moves: the sender reports the engine's message at once
+    (not after timeout_s in a broadcast nobody joins), the engine drops its side of the group, and the next sync,
+    inside a session, forms the group again under the same name."""
+    import time
+
+    from megatron_rl.rollout.client import RolloutServerError
+
+    urls, tsd, root = backends
+    engine = urls["0.5.23"]
+    sender = DistributedWeightSync([engine], bucket_mb=0.01, timeout_s=ENGINE_TIMEOUT_S)
+    try:
+        sender.begin_stage(0, 1, "outside")  # no begin(): no session opened
+        started = time.monotonic()
+        with pytest.raises(RolloutServerError, match="refused.*begin_weight_update"):
+            sender.send_bucket(tsd[:2], final=False)
+        assert time.monotonic() - started < ENGINE_TIMEOUT_S / 2
+        assert sender.group is None
+        _sync(sender, tsd, "after-refusal")
+    finally:
+        sender.close()
+    try:
+        assert RolloutClient(engine).weight_versions_sync() == ["after-refusal"]
+        for name, tensor in tsd:
+            assert torch.equal(served(engine, name).reshape(tensor.shape), tensor), name
+    finally:
+        assert call(engine, "/update_weights_from_disk", {"model_path": str(root / "base")})[0] == 200
+
+
 # --------------------------------------------------------------------------- tiny RL runs (slow)
 FAST = ("train.steps=2", "train.eval_every=0", "precision.recipe=none", "precision.rollout_quantization=none",
         "algo.calibration.enabled=false")

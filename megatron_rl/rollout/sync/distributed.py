@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Optional, Sequence
 from urllib.parse import urlparse
 
@@ -80,6 +81,7 @@ class DistributedWeightSync(WeightTransport):
         self.group_name = ""
         self.backend = ""
         self._http = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-http")
+        self._first_bucket = True
 
     def _post(self, path: str, body: dict) -> Future:
         """POST to every engine from a helper thread (the caller broadcasts meanwhile)."""
@@ -125,6 +127,11 @@ class DistributedWeightSync(WeightTransport):
 
         return self._http.submit(run_sync, all_engines())
 
+    def begin_stage(self, stage: int, num_stages: int, weight_version: Any) -> None:
+        """As the base class; the stage's first bucket also watches for an engine that refuses at once."""
+        super().begin_stage(stage, num_stages, weight_version)
+        self._first_bucket = True
+
     def send_bucket(self, bucket: Bucket, final: bool) -> None:
         """POST the bucket's metadata to every engine and broadcast its tensors in the same order."""
         if bucket[0][1].device.type == "cuda" and self.any_cpu_engine():
@@ -132,6 +139,16 @@ class DistributedWeightSync(WeightTransport):
         self.connect(self.stage, self.num_stages, "nccl" if bucket[0][1].device.type == "cuda" else "gloo")
         body = update_distributed_body(bucket, self.group_name, final, self.weight_version)
         pending = self._post("/update_weights_from_distributed", body)
+        if self._first_bucket:
+            # an engine that accepts the update waits in the broadcast; one that refuses (no session, a version
+            # mismatch) answers at once and never joins it, so the broadcast would block until timeout_s. The first
+            # bucket of a stage pays a short wait to turn that into an immediate error.
+            self._first_bucket = False
+            refused = _first_error([pending], wait_s=REFUSAL_WAIT_S)
+            if refused is not None:
+                self._leave()
+                raise RolloutServerError(f"weight sync: an engine refused the update on {self.group_name!r} before "
+                                         f"the broadcast: {refused}")
         wire = [t.contiguous() for _, t in bucket]
         if self.backend == "gloo":
             wire = [t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t for t in wire]
@@ -139,7 +156,7 @@ class DistributedWeightSync(WeightTransport):
             weight_group.broadcast_from_rank0(wire, self.group)
         except Exception as exc:
             detail = _first_error([pending])
-            self._drop_group()
+            self._leave()  # engines drop their side too, or the next sync could not form a group of that name
             raise RolloutServerError(f"weight sync: broadcast on {self.group_name!r} failed: {type(exc).__name__}: "
                                      f"{str(exc)[:300]}" + (f"; engine said: {detail}" if detail else "")) from None
         pending.result()
@@ -172,11 +189,17 @@ class DistributedWeightSync(WeightTransport):
         self._http.shutdown(wait=False)
 
 
+REFUSAL_WAIT_S = 0.2
+"""How long the first bucket of a stage waits for an engine's immediate refusal before broadcasting."""
+
+
 def _first_error(futures: list[Future], wait_s: float = 5.0) -> Optional[str]:
     """The first exception message among `futures` that finished (waiting briefly for them)."""
     for f in futures:
         try:
             f.result(timeout=wait_s)
+        except FutureTimeout:
+            continue  # still waiting (an engine in the broadcast): not an error
         except Exception as exc:  # noqa: BLE001 - reported as text
-            return str(exc)
+            return str(exc) or type(exc).__name__
     return None
