@@ -71,12 +71,12 @@ def rewards_drop_at(first_step: int):
         current.step = step
         return original_rollout(session, step, timers)
 
-    def score(batch, reward_fn, algo, max_new_tokens):
+    def score(batch, reward_fn, algo, max_new_tokens, *args, **kwargs):
         def shifted(text, answer):
             value, correct = reward_fn(text, answer)
             return (1.0 + 0.1 * float(value), correct) if current.step < first_step else (0.0, False)
 
-        return original_score(batch, shifted, algo, max_new_tokens)
+        return original_score(batch, shifted, algo, max_new_tokens, *args, **kwargs)
 
     loop.controller_rollout, reward.score = controller_rollout, score
 
@@ -96,10 +96,10 @@ def _hook(name: str):
 
 
 def served_version(url: str) -> str:
-    """The weight version the engine at `url` serves."""
+    """The weight version the engine at `url` serves (/model_info: where every SGLang version reports the live one)."""
     import urllib.request
 
-    with urllib.request.urlopen(f"{url}/get_weight_version", timeout=30) as response:
+    with urllib.request.urlopen(f"{url}/model_info", timeout=30) as response:
         return str(json.loads(response.read())["weight_version"])
 
 

@@ -19,7 +19,8 @@ from megatron_rl.trainer.checkpoint import RL_STATE_FILE, latest_checkpoint
 def test_two_steps_with_the_instrument_and_calibration(tmp_path_factory, tmp_path):
     warm = warm_start(tmp_path_factory)
     run_dir = tmp_path / "run"
-    rows = train(run_dir, tiny_overrides(warm, "train.steps=2", "algo.experimental.clip_error_scale=4"))
+    rows = train(run_dir, tiny_overrides(warm, "train.steps=2", "algo.experimental.clip_error_scale=4",
+                                       "algo.calibration.shadow_fraction=1"))  # the instrument needs every hp ratio
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert 0.0 <= r["malformed/train"] <= 1.0
