@@ -123,19 +123,29 @@ class WeightTransport:
 
     def engine_info(self) -> list[dict]:
         """Per receiver, from SGLang's /server_info (fetched once): {"tp_size", "cpu", "version", "sessions"}; "cpu"
-        engines need CPU tensors; "sessions" (learned for transports that need them, probed when the version does not
-        tell) whether distributed/tensor updates must run inside a weight-update session."""
+        engines need CPU tensors; "sessions" (learned for transports that need them) whether distributed/tensor
+        updates must run inside a weight-update session. The route itself is probed first: what answers at `url`
+        may not be what /server_info declares (a proxy in front of an engine forwards the engine's version while
+        enforcing its own rules); the declared version decides only when the probe cannot."""
         if self._engine_info is None:
             infos = [i if isinstance(i, dict) else {} for i in run_sync(self.client.server_info())]
             out = []
             for url, i in zip(self.urls, infos):
-                has = sessions.sessions_by_version(i.get("version")) if self.needs_session else False
-                if has is None:
-                    has = run_sync(sessions.probe_sessions(self.client, url))
+                has = self._probe_sessions(url, i.get("version")) if self.needs_session else False
                 out.append({"tp_size": int(i.get("tp_size", 1) or 1), "version": str(i.get("version", "")),
                             "cpu": i.get("device") == "cpu" or i.get("engine") == "embedded-cpu", "sessions": has})
             self._engine_info = out
         return self._engine_info
+
+    def _probe_sessions(self, url: str, version: Any) -> bool:
+        """Whether `url` has weight-update sessions: its route answers (405 to a GET: yes; 404: no), else its version."""
+        try:
+            return run_sync(sessions.probe_sessions(self.client, url))
+        except Exception:  # noqa: BLE001 - any failed probe (auth, 5xx, a proxy's own answer): the version decides
+            has = sessions.sessions_by_version(version)
+            if has is None:
+                raise
+            return has
 
     def session_urls(self) -> list[str]:
         """The receivers whose distributed/tensor updates need a weight-update session (SGLang >= 0.5.23)."""
