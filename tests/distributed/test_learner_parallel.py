@@ -20,6 +20,12 @@ TOL = 1e-5
 # Adam's first steps turn ~1e-7 gradient round-off on near-zero gradients into O(lr) relative
 # update differences (lr = 5e-4 in the worker), so weights get a slightly looser bound.
 WEIGHT_TOL = 2e-5
+FP8_AFTER_TOL = 2e-3
+"""Log-probs after an FP8-emulated update: a few FP8 rounding quanta of kernel-dependent last bits."""
+FP8_METRIC_TOL = 1e-4
+"""Relative bound of FP8-emulated step metrics (grad norm: one flipped quantum in the wgrad moves it ~1.5e-5)."""
+FP8_WEIGHT_TOL = 1e-3
+"""Final weights after an FP8-emulated step: two Adam steps of lr 5e-4 on a gradient whose sign a flipped quantum changed."""
 
 
 @pytest.fixture(scope="module")
@@ -50,24 +56,27 @@ def _run_case(reference, tmp_path, nproc, args):
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(nproc)], ref
 
 
-def _assert_matches(results, ref):
+def _assert_matches(results, ref, after_tol: float = TOL, metric_tol: float = TOL, weight_tol: float = WEIGHT_TOL):
     """Log-probs of every DP row, step metrics and final weights equal the reference; the vocab-parallel argmax test
-    of the greedy checks (fixed logits split over the TP ranks) equals the argmax of the whole logits."""
+    of the greedy checks (fixed logits split over the TP ranks) equals the argmax of the whole logits. `after_tol`
+    bounds the log-probs after the update, `metric_tol` the step metrics (relative) and `weight_tol` the final
+    weights, all looser under FP8 emulation: see test_fp8_emulation_layer_selection_under_pp."""
     for res in results:
         want = res["greedy_want"]
         assert want.any() and not want.all() and torch.equal(res["greedy_hits"], want)
         lo, hi = res["rows"]
         for key in ("logprobs", "entropy", "logprobs_after"):
-            torch.testing.assert_close(res[key], ref[key][lo:hi], atol=TOL, rtol=0, msg=f"{key} rows {lo}:{hi}")
+            tol = after_tol if key == "logprobs_after" else TOL
+            torch.testing.assert_close(res[key], ref[key][lo:hi], atol=tol, rtol=0, msg=f"{key} rows {lo}:{hi}")
         for step, ref_step in zip(res["steps"], ref["steps"]):
             assert set(step) == set(ref_step)
             for k, v in ref_step.items():
-                assert abs(step[k] - v) <= TOL * max(1.0, abs(v)), f"metric {k}: {step[k]} vs reference {v}"
+                assert abs(step[k] - v) <= metric_tol * max(1.0, abs(v)), f"metric {k}: {step[k]} vs reference {v}"
     final = results[0]["final"]
     assert final is not None and set(final) == set(ref["final"])
     assert {k: tuple(v.shape) for k, v in final.items()} == results[0]["expected_shapes"]
     for name, t in ref["final"].items():
-        torch.testing.assert_close(final[name], t, atol=WEIGHT_TOL, rtol=0, msg=name)
+        torch.testing.assert_close(final[name], t, atol=weight_tol, rtol=0, msg=name)
     assert all(r["final"] is None for r in results[1:])
 
 
@@ -133,7 +142,12 @@ def test_fp8_emulation_layer_selection_under_pp(recipe, references, tmp_path):
     assert (ref["logprobs"] - plain["logprobs"]).abs().max() > 1e-4  # FP8 emulation is really on
     # One micro-batch as in the reference: FP8 wgrad quantization groups run over tokens.
     results, _ = _run_case((ref_dir, ref), tmp_path, 2, ["--pp", "2", "--mbs", "8", *model_args])
-    _assert_matches(results, ref)
+    # The forward (logprobs, entropy) is what the layer selection decides, compared at TOL. In the backward and
+    # after the update a last-bit difference between the layouts can move a value across an FP8 rounding boundary:
+    # one quantum (grad norm 1.5e-5 relative, log-probs after the update ~3e-4, seen under ATen's plain kernels
+    # with MKL COMPATIBLE) that depends on the machine's kernels, not on the selection; a weight whose gradient
+    # is near zero can then take a different Adam step (up to lr = 5e-4).
+    _assert_matches(results, ref, after_tol=FP8_AFTER_TOL, metric_tol=FP8_METRIC_TOL, weight_tol=FP8_WEIGHT_TOL)
 
 
 # DP with SP is covered by tp2_sp and dp2 apart and by tp2_cp2_sp (SP with gradients reduced over the DP x CP group); the
