@@ -4,7 +4,7 @@ torch picks its vectorized ATen kernels (AVX-512, AVX2 or plain) and MKL its GEM
 on; the paths sum in different orders, so the same run gives different last bits on different kernel paths, and
 training amplifies them. The main job and the study runner pin the AVX2 paths, which every x86-64 CPU of the last
 decade has: ATen's own AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2`) and MKL's conditional numerical reproducibility
-mode (`MKL_CBWR=AVX2,STRICT`). With the pins the same command repeats bit for bit on one machine (the SFT warm start at any thread count); it
+mode (`MKL_CBWR=AVX2,STRICT`). With the pins a run repeats bit for bit on one machine, at any thread count; it
 does NOT repeat across CPU vendors: an Intel Xeon and an AMD EPYC gave different warm starts under the same pins
 (MKL's code paths differ by vendor, which CBWR does not cover; tools/op_digest.py lists the ops that move with
 each setting one machine can switch, docs/RESULTS.md the findings). So the main job is built to give the same
