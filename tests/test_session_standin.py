@@ -13,10 +13,6 @@ Run: pytest -q tests/test_session_standin.py        (-m "not slow" leaves out th
 """
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 import torch
 
@@ -25,6 +21,7 @@ from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.launcher import embedded_specs
 from megatron_rl.rollout.processes import start_cluster
 from megatron_rl.rollout.sync import DistributedWeightSync, TensorWeightSync
+from http_calls import call
 from rl_runs import read_rows, tiny_overrides, train, warm_start
 from session_standin import ALREADY_OPEN, BEGIN, END, GUARDED, NONE_OPEN, SERVER_INFO_MODES, SessionStandin, refusal
 
@@ -32,22 +29,6 @@ COMPATS = ("0.5.23", "0.5.8")
 TRANSPORTS = {"distributed": DistributedWeightSync, "tensor": TensorWeightSync}
 ENGINE_TIMEOUT_S = 20.0
 OK = (200, {"success": True, "message": "Success"})
-
-
-def call(url: str, path: str, body=None, method: str = "POST", headers=None) -> tuple[int, object]:
-    """(status, JSON or text) of one request."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            raw, status = resp.read(), resp.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
-    try:
-        return status, json.loads(raw or b"null")
-    except ValueError:
-        return status, raw.decode()
 
 
 VOLATILE = ("id", "e2e_latency")

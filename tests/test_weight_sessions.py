@@ -18,6 +18,7 @@ import torch
 from megatron_rl.engine.testing import ThreadedServer, make_tiny_model
 from megatron_rl.rollout.client import RolloutClient, RolloutServerError
 from megatron_rl.rollout.sync import TensorWeightSync, sessions
+from http_calls import call
 from test_weight_receiver import greedy, post, weights_of
 
 OUTSIDE = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
@@ -26,20 +27,7 @@ OK = (200, {"success": True, "message": "Success"})
 
 def get(url: str, path: str, body=None) -> tuple[int, object]:
     """(status, JSON or text) of a GET, or of a POST when `body` is given."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    data = None if body is None else json.dumps(body).encode()
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url + path, data=data), timeout=30) as resp:
-            raw, status = resp.read(), resp.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
-    try:
-        return status, json.loads(raw or b"null")
-    except ValueError:
-        return status, raw.decode()
+    return call(url, path, body, method="GET" if body is None else "POST")
 
 
 @pytest.fixture(scope="module")
