@@ -27,6 +27,7 @@ import torch
 from megatron_rl.config import RunConfig
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.data.jsonl import PromptRow
+from megatron_rl.data.tasks import teacher_drops_units_carry
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import all_gather_dp_rows
 from megatron_rl.phases import batching
@@ -101,6 +102,8 @@ def run_sft(cfg: RunConfig, tokenizer, train_rows: Sequence[PromptRow], out_dir:
     seq_multiple = batching.seq_multiple(cfg.parallel, precision)
     check_rows = list(train_rows[: s.eval_prompts]) if s.eval_every else []
     pool = train_rows[len(check_rows):]  # the checks score prompts the warm start never trains on
+    if s.teacher_carry_drop:  # the checks above keep the true answers: they measure what the model can do
+        pool = [teacher_drops_units_carry(r, s.teacher_carry_drop, cfg.data.seed) for r in pool]
     if not pool:
         raise ValueError(f"sft.eval_prompts={s.eval_prompts} leaves none of the {len(train_rows)} training prompts for the "
                          "warm start to train on (the checks score prompts it never trains on): lower it or set sft.eval_every=0")
@@ -111,6 +114,7 @@ def run_sft(cfg: RunConfig, tokenizer, train_rows: Sequence[PromptRow], out_dir:
     start = time.perf_counter()
     loss, accuracy, steps, reason = float("nan"), None, s.steps, "steps"
     checks: list[float] = []
+    reached_at: Optional[int] = None  # the step whose checks first reached stop_accuracy
     for step in range(1, s.steps + 1):
         rows = [pool[rng.randrange(len(pool))] for _ in range(s.global_batch_size)]
         batch = dp_shard(sft_batch(tokenizer, rows, seq_multiple), rank, dp)
@@ -124,8 +128,10 @@ def run_sft(cfg: RunConfig, tokenizer, train_rows: Sequence[PromptRow], out_dir:
                 log.write(json.dumps({"step": step, "loss": loss, "greedy_accuracy": accuracy}) + "\n")
                 log.flush()
         bar.update(shown)
-        if s.stop_accuracy is not None and len(checks) >= s.stop_window and \
+        if reached_at is None and s.stop_accuracy is not None and len(checks) >= s.stop_window and \
                 sorted(checks[-s.stop_window:])[s.stop_window // 2] >= s.stop_accuracy:
+            reached_at = step
+        if reached_at is not None and step >= reached_at + s.settle_steps:
             steps, reason = step, "stop_accuracy"
             break
     bar.close()
@@ -136,10 +142,11 @@ def run_sft(cfg: RunConfig, tokenizer, train_rows: Sequence[PromptRow], out_dir:
     result = {"sft/steps": float(steps), "sft/final_loss": loss, "sft/time_s": time.perf_counter() - start}
     if state.is_controller():
         record = {"steps": steps, "stopped_by": reason, "greedy_accuracy": accuracy, "final_loss": loss,
-                  "stop_accuracy": s.stop_accuracy, "max_steps": s.steps}
+                  "stop_accuracy": s.stop_accuracy, "reached_at": reached_at, "settle_steps": s.settle_steps,
+                  "max_steps": s.steps}
         (out_dir / WARM_START_FILE).write_text(json.dumps(record, indent=1) + "\n")
         acc = "" if accuracy is None else f", greedy accuracy {100 * accuracy:.1f}% on {len(check_rows)} prompts it did not train on"
-        why = f" (reached sft.stop_accuracy={s.stop_accuracy})" if reason == "stop_accuracy" else ""
+        why = f" (reached sft.stop_accuracy={s.stop_accuracy} at step {reached_at})" if reason == "stop_accuracy" else ""
         print(f"SFT warm start: {steps} steps{why}, final loss {loss:.4f}{acc}, {result['sft/time_s']:.1f} s -> {out_dir / 'hf'}",
               flush=True)
     del learner

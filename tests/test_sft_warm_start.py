@@ -20,7 +20,7 @@ from rl_runs import CONFIG, REPO_ROOT
 from megatron_rl.config import load_config
 from megatron_rl.config.run import ConfigError
 from megatron_rl.data.jsonl import PromptRow
-from megatron_rl.data.tasks import generate
+from megatron_rl.data.tasks import generate, teacher_drops_units_carry
 from megatron_rl.data.tokenizer import build_char_tokenizer, load_tokenizer
 
 MARGIN = 1e-3  # rows whose greedy path has a near-tie are left out: the learner and HF model round differently
@@ -110,6 +110,76 @@ def test_stop_accuracy_needs_two_of_three_checks_on_prompts_the_warm_start_never
     assert checkpoint_meta(latest_checkpoint(str(tmp_path / "sft" / "checkpoints")))["step"] == 30
     assert (tmp_path / "sft" / "hf" / "model.safetensors").exists()
     state.destroy_distributed()
+
+
+def test_settle_steps_keep_training_after_stop_accuracy_is_reached(tmp_path, monkeypatch):
+    import megatron_rl.sft as sft
+    from megatron_rl.parallel import state
+    from megatron_rl.warm_start import warm_start_summary
+
+    script = iter([0.10, 0.55, 0.60, 0.30, 0.20, 0.10, 0.10, 0.10])  # reached at check 3 (step 15), whatever follows
+    monkeypatch.setattr(sft, "greedy_accuracy", lambda *a: next(script))
+    cfg, tokenizer, rows = _setup(tmp_path, "sft.steps=40", "sft.eval_every=5", "sft.stop_accuracy=0.5", "sft.eval_prompts=8",
+                                  "sft.settle_steps=12", "sft.micro_batch_size=16", "sft.global_batch_size=16",
+                                  f"sft.output_dir={tmp_path / 'run' / 'sft'}")
+    assert sft.run_sft(cfg, tokenizer, rows, tmp_path / "run" / "sft")["sft/steps"] == 27.0
+    record = sft.warm_start_record(tmp_path / "run" / "sft")
+    assert (record["steps"], record["reached_at"], record["greedy_accuracy"]) == (27, 15, 0.20)  # last check: step 25
+    assert warm_start_summary(cfg, tmp_path / "run").startswith(
+        "SFT 27 steps (reached sft.stop_accuracy=0.5 at step 15, then 12 settle steps)")
+    state.destroy_distributed()
+
+
+def _carries(prompt: str) -> bool:
+    a, b = prompt.rstrip("=").split("+")
+    return int(a) % 10 + int(b) % 10 >= 10
+
+
+def test_teacher_drops_the_units_carry_of_a_fixed_share_of_carrying_sums():
+    rows = [PromptRow(f"{a}+{b}=", str(a + b)) for a in range(100) for b in range(100)]
+    for p in (0.0, 0.3, 0.6):
+        taught = [teacher_drops_units_carry(r, p, seed=7) for r in rows]
+        changed = [(r, t) for r, t in zip(rows, taught) if t.answer != r.answer]
+        assert all(_carries(r.prompt) and int(t.answer) == int(r.answer) - 10 for r, t in changed)
+        carrying = sum(_carries(r.prompt) for r in rows)  # 4500 of the 10000 sums
+        assert abs(len(changed) / carrying - p) < 0.03  # binomial sd 0.0073 at p = 0.6
+    # the same demonstrations for the same seed (every epoch, every rank), other ones for another seed
+    again = [teacher_drops_units_carry(r, 0.6, seed=7).answer for r in rows]
+    assert again == [t.answer for t in taught]
+    assert again != [teacher_drops_units_carry(r, 0.6, seed=8).answer for r in rows]
+    with pytest.raises(ValueError, match="train.jsonl:4: sft.teacher_carry_drop needs addition rows.*'12-3='"):
+        teacher_drops_units_carry(PromptRow("12-3=", "9", source="train.jsonl:4"), 0.6, seed=7)
+    with pytest.raises(ValueError, match="'12\\+3='"):
+        teacher_drops_units_carry(PromptRow("12+3=", "16"), 0.6, seed=7)
+
+
+def test_warm_start_learns_the_teachers_answers_and_is_checked_on_true_ones(tmp_path, monkeypatch):
+    import megatron_rl.sft as sft
+    from megatron_rl.parallel import state
+
+    scored, trained = [], []
+    monkeypatch.setattr(sft, "greedy_accuracy", lambda learner, tok, rows, *a: scored.extend(rows) or 0.0)
+    real_batch = sft.sft_batch
+    monkeypatch.setattr(sft, "sft_batch", lambda tok, rows, *a: trained.extend(rows) or real_batch(tok, rows, *a))
+    cfg, tokenizer, rows = _setup(tmp_path, "sft.steps=8", "sft.eval_every=4", "sft.eval_prompts=8", "sft.stop_accuracy=null",
+                                  "sft.micro_batch_size=16", "sft.global_batch_size=16", "sft.teacher_carry_drop=0.6")
+    sft.run_sft(cfg, tokenizer, rows, tmp_path / "sft")
+    truth = {r.prompt: r.answer for r in rows}
+    assert scored and all(r.answer == truth[r.prompt] for r in scored)
+    wrong = {r.prompt for r in trained if r.answer != truth[r.prompt]}
+    assert wrong and all(_carries(p) for p in wrong)
+    assert all(r.answer == teacher_drops_units_carry(PromptRow(r.prompt, truth[r.prompt]), 0.6, cfg.data.seed).answer
+               for r in trained)
+    state.destroy_distributed()
+
+
+def test_teacher_carry_drop_needs_addition_rows():
+    assert load_config(CONFIG, ["sft.teacher_carry_drop=0.6"]).sft.teacher_carry_drop == 0.6
+    assert load_config(CONFIG, ["sft.teacher_carry_drop=0.6", "data.task=subtraction", "data.train_file=rows.jsonl"])
+    with pytest.raises(ConfigError, match="sft.teacher_carry_drop.*data.task=addition \\(got subtraction\\)"):
+        load_config(CONFIG, ["sft.teacher_carry_drop=0.6", "data.task=subtraction"])
+    with pytest.raises(ConfigError, match="sft.teacher_carry_drop"):
+        load_config(CONFIG, ["sft.teacher_carry_drop=1.0"])
 
 
 def test_stop_accuracy_needs_checks():

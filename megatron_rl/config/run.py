@@ -93,6 +93,10 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
     if sft and s.eval_every and cfg.data.train_file is None and s.eval_prompts >= cfg.data.num_train_prompts:
         out.append(f"sft.eval_prompts ({s.eval_prompts}) leaves none of data.num_train_prompts ({cfg.data.num_train_prompts}) "
                    "for the warm start to train on (the checks score prompts it never trains on): lower it or set sft.eval_every=0")
+    if sft and s.teacher_carry_drop and cfg.data.train_file is None and cfg.data.task != "addition":
+        # rows read from data.train_file are checked one by one when the warm start starts (file:line named)
+        out.append(f"sft.teacher_carry_drop ({s.teacher_carry_drop}) rewrites 'a+b=' demonstrations: it needs "
+                   f"data.task=addition (got {cfg.data.task}) or a data.train_file of addition rows")
     lmax = cfg.algo.dapo.max_response_length or cfg.rollout.sampling.max_new_tokens
     if cfg.algo.dapo.overlong_buffer and cfg.algo.dapo.overlong_buffer >= lmax:
         out.append(f"algo.dapo.overlong_buffer ({cfg.algo.dapo.overlong_buffer}) must be smaller than "

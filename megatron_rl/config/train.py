@@ -91,6 +91,10 @@ class SftConfig(StrictConfig):
     """End the warm start once the median of the last stop_window checks reaches this (in (0, 1]; needs eval_every > 0); None: all steps."""
     stop_window: PositiveInt = 3
     """Checks (>= 1, odd) whose median stop_accuracy is compared with: 3 = two of the last three, so one lucky check does not stop it."""
+    settle_steps: NonNegativeInt = 0
+    """Steps the warm start keeps training once stop_accuracy is reached (>= 0; within steps), so it ends settled on the plateau, not at its edge."""
+    teacher_carry_drop: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False)
+    """Share of carrying sums whose demonstration drops the units carry (in [0, 1); generated `addition` rows only): an imperfect teacher RL can correct."""
 
     @model_validator(mode="after")
     def _check(self) -> "SftConfig":

@@ -121,6 +121,24 @@ def carry_trace(a: int, b: int) -> str:
     return ",".join(cols) + f":{a + b}"
 
 
+def teacher_drops_units_carry(row: PromptRow, p: float, seed: int) -> PromptRow:
+    """`row` as an imperfect teacher demonstrates it: an 'a+b=' sum whose units carry, with probability `p` (fixed
+    per prompt and seed), is left out of the tens (57+38= -> 85 instead of 95); other sums unchanged. Raises
+    ValueError, naming the row's file:line, for a row that is not such a sum.
+
+    The warm start learns from such demonstrations (`sft.teacher_carry_drop`) while RL's reward checks the true
+    sum: with p > 0.5 the supervised model's most likely answer to a carrying sum is the teacher's mistake, a
+    plateau SFT cannot leave, and the right answer is still sampled often enough for RL to find and keep.
+    """
+    a, plus, b = row.prompt.rstrip("=").partition("+")
+    if not (plus and a.isdigit() and b.isdigit() and str(row.answer) == str(int(a) + int(b))):
+        where = f"{row.source}: " if row.source else ""
+        raise ValueError(f"{where}sft.teacher_carry_drop needs addition rows 'a+b=' -> a+b, got {row.prompt!r} -> {row.answer!r}")
+    if int(a) % 10 + int(b) % 10 < 10 or random.Random(f"{seed}:{row.prompt}").random() >= p:
+        return row
+    return PromptRow(prompt=row.prompt, answer=str(int(a) + int(b) - 10), meta=row.meta, source=row.source)
+
+
 def generate(task: str, n: int, seed: int, exclude: set[str] | None = None, **opts) -> list[PromptRow]:
     """`n` distinct rows of `task` from `seed`, skipping prompts in `exclude` (keeps eval held out)."""
     gen = get_task(task)
