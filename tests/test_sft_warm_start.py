@@ -97,7 +97,7 @@ def test_stop_accuracy_needs_two_of_three_checks_on_prompts_the_warm_start_never
     real_batch = sft.sft_batch
     monkeypatch.setattr(sft, "sft_batch", lambda tok, rows, *a: trained.extend(r.prompt for r in rows) or real_batch(tok, rows, *a))
     cfg, tokenizer, rows = _setup(tmp_path, "sft.steps=40", "sft.eval_every=5", "sft.stop_accuracy=0.5", "sft.eval_prompts=8",
-                                  "sft.micro_batch_size=16", "sft.global_batch_size=16")
+                                  "sft.settle_steps=0", "sft.micro_batch_size=16", "sft.global_batch_size=16")
     result = sft.run_sft(cfg, tokenizer, rows, tmp_path / "sft")
     assert result["sft/steps"] == 30.0  # checks 4-6: 0.30, 0.55, 0.52 -> median 0.52
     logged = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
