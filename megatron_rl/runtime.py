@@ -127,7 +127,8 @@ def load_datasets(cfg: RunConfig, run_dir: Path):
     """(tokenizer, train rows, eval rows): from files, or generated for the synthetic task into the run dir.
 
     Every row is read and encoded once here, so a missing file, a bad line or a character outside the
-    tokenizer's vocabulary is a DataFormatError naming the config field or file:line before any work.
+    tokenizer's vocabulary, or a row the warm start's teacher cannot rewrite (`sft.teacher_carry_drop`), is a
+    DataFormatError naming the config field or file:line before any work.
     """
     from megatron_rl.data.jsonl import DataFormatError
     from megatron_rl.data.prepare import prepare_task_data
@@ -145,6 +146,11 @@ def load_datasets(cfg: RunConfig, run_dir: Path):
     eval_path = d.eval_file or paths.get("eval")
     evals = load_prompts(eval_path, d, tokenizer, tokenizer_dir, generated=d.eval_file is None) if eval_path else []
     check_encodable(tokenizer, train + evals)
+    if cfg.sft.teacher_carry_drop and not cfg.model.init_checkpoint:  # the warm start will rewrite them: all must be sums
+        from megatron_rl.data.tasks import teacher_drops_units_carry
+
+        for row in train:
+            teacher_drops_units_carry(row, cfg.sft.teacher_carry_drop, d.seed)
     return tokenizer, train, evals
 
 

@@ -48,9 +48,11 @@ def _build_warm_start(warm: Path) -> None:
     if not (warm / "sft" / "hf" / "model.safetensors").exists():
         # 200 SFT steps on 200 prompts leave the model right on some of them (greedy 26-38% on the kernel paths
         # of scripts/test_kernel_paths.sh: this regime has no sudden jump), so GRPO groups have reward spread from
-        # the first step. A fixed step count, without the main job's accuracy checks: nothing here needs them.
+        # the first step. A fixed step count, without the main job's accuracy checks: nothing here needs them;
+        # true sums at lr 3e-3 (the main job's imperfect teacher at 1e-3 leaves 200 steps nearly all wrong).
         cmd = [sys.executable, "-m", "megatron_rl.cli", "sft", str(CONFIG), f"run_dir={warm}", "sft.steps=200",
-               "sft.eval_every=0", "sft.stop_accuracy=null", "data.num_train_prompts=200", "data.num_eval_prompts=8"]
+               "sft.eval_every=0", "sft.stop_accuracy=null", "sft.lr=3e-3", "sft.teacher_carry_drop=0",
+               "data.num_train_prompts=200", "data.num_eval_prompts=8"]
         proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"warm start failed:\n{proc.stderr[-4000:]}"
 

@@ -79,6 +79,13 @@ def test_malformed_data_file_with_a_generated_tokenizer_leaves_no_run_directory(
     assert line.startswith(f"error: {data}:2: invalid JSON")
 
 
+def test_a_row_the_warm_start_teacher_cannot_rewrite_leaves_no_run_directory(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "7-2=", "answer": "5"}\n')
+    line = _fails_cleanly(tmp_path, "train", str(CONFIG), "run_dir=run", f"data.train_file={data}", "sft.teacher_carry_drop=0.6")
+    assert line.startswith(f"error: {data}:2: sft.teacher_carry_drop needs addition rows")
+
+
 def test_duplicate_keys_are_errors_everywhere_yaml_is_read(tmp_path):
     with pytest.raises(YAMLInputError, match=r"^spec\.yaml:3: duplicate key 'b' \(first at line 2"):
         load_yaml("a: 1\nb: {x: 1}\nb: 2\n", "spec.yaml")

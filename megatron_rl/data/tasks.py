@@ -14,7 +14,7 @@ import random
 import re
 from typing import Callable, Optional, Sequence
 
-from megatron_rl.data.jsonl import PromptRow
+from megatron_rl.data.jsonl import DataFormatError, PromptRow
 
 TaskGenerator = Callable[[random.Random, dict], PromptRow]
 _TASKS: dict[str, TaskGenerator] = {}
@@ -124,7 +124,7 @@ def carry_trace(a: int, b: int) -> str:
 def teacher_drops_units_carry(row: PromptRow, p: float, seed: int) -> PromptRow:
     """`row` as an imperfect teacher demonstrates it: an 'a+b=' sum whose units carry, with probability `p` (fixed
     per prompt and seed), is left out of the tens (57+38= -> 85 instead of 95); other sums unchanged. Raises
-    ValueError, naming the row's file:line, for a row that is not such a sum.
+    DataFormatError, naming the row's file:line, for a row that is not such a sum.
 
     The warm start learns from such demonstrations (`sft.teacher_carry_drop`) while RL's reward checks the true
     sum: with p > 0.5 the supervised model's most likely answer to a carrying sum is the teacher's mistake, a
@@ -133,7 +133,7 @@ def teacher_drops_units_carry(row: PromptRow, p: float, seed: int) -> PromptRow:
     a, plus, b = row.prompt.rstrip("=").partition("+")
     if not (plus and a.isdigit() and b.isdigit() and str(row.answer) == str(int(a) + int(b))):
         where = f"{row.source}: " if row.source else ""
-        raise ValueError(f"{where}sft.teacher_carry_drop needs addition rows 'a+b=' -> a+b, got {row.prompt!r} -> {row.answer!r}")
+        raise DataFormatError(f"{where}sft.teacher_carry_drop needs addition rows 'a+b=' -> a+b, got {row.prompt!r} -> {row.answer!r}")
     if int(a) % 10 + int(b) % 10 < 10 or random.Random(f"{seed}:{row.prompt}").random() >= p:
         return row
     return PromptRow(prompt=row.prompt, answer=str(int(a) + int(b) - 10), meta=row.meta, source=row.source)
