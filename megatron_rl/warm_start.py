@@ -124,11 +124,15 @@ def warm_start_summary(cfg: RunConfig, run_dir: Path) -> str:
         return f"SFT export {sft_dir(cfg, run_dir) / 'hf'}"
     acc = record.get("greedy_accuracy")
     measured = "" if acc is None else f", last check {100 * acc:.1f}% greedy accuracy on {cfg.sft.eval_prompts} prompts it did not train on"
-    settled = f" at step {record['reached_at']}, then {record['settle_steps']} settle steps" if record.get("settle_steps") else ""
-    why = f" (reached sft.stop_accuracy={record['stop_accuracy']}{settled})" if record.get("stopped_by") == "stop_accuracy" else \
-        f" (all sft.steps; sft.stop_accuracy={record.get('stop_accuracy')} " + \
-        (f"reached at step {record['reached_at']}, settling cut short)" if record.get("reached_at") else "not reached)") \
-        if record.get("stop_accuracy") else ""
+    target, reached_at = record.get("stop_accuracy"), record.get("reached_at")
+    if record.get("stopped_by") == "stop_accuracy":
+        settled = f" at step {reached_at}, then {record['settle_steps']} settle steps" if record.get("settle_steps") else ""
+        why = f" (reached sft.stop_accuracy={target}{settled})"
+    elif target:
+        why = f" (all sft.steps; sft.stop_accuracy={target} " + \
+            (f"reached at step {reached_at}, settling cut short)" if reached_at else "not reached)")
+    else:
+        why = ""
     return f"SFT {record['steps']} steps{why}{measured}"
 
 

@@ -254,3 +254,8 @@ def test_summary_names_the_warm_start_and_the_cpu_kernels(tmp_path):
                                                                    plots=False, context=context).splitlines())
     assert pairs["warm start"] == where and pairs["CPU kernels (this run)"].startswith("ATen ")
     assert warm_start_summary(load_config(None, ["model.init_checkpoint=/ckpt"]), tmp_path) == "model.init_checkpoint=/ckpt"
+    for reached_at, outcome in ((1900, "reached at step 1900, settling cut short"), (None, "not reached")):
+        (tmp_path / "sft" / "warm_start.json").write_text(json.dumps(
+            {"steps": 2000, "stopped_by": "steps", "greedy_accuracy": 0.6, "stop_accuracy": 0.5, "reached_at": reached_at,
+             "settle_steps": 250, "max_steps": 2000}))
+        assert warm_start_summary(cfg, tmp_path).startswith(f"SFT 2000 steps (all sft.steps; sft.stop_accuracy=0.5 {outcome})")

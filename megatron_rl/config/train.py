@@ -94,7 +94,7 @@ class SftConfig(StrictConfig):
     settle_steps: NonNegativeInt = 0
     """Steps the warm start keeps training once stop_accuracy is reached (>= 0; within steps), so it ends settled on the plateau, not at its edge."""
     teacher_carry_drop: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False)
-    """Share of carrying sums whose demonstration drops the units carry (in [0, 1); generated `addition` rows only): an imperfect teacher RL can correct."""
+    """Share of carrying sums whose demonstration drops the units carry (in [0, 1); 'a+b=' rows only: generated `addition` or a data file's): an imperfect teacher RL can correct."""
 
     @model_validator(mode="after")
     def _check(self) -> "SftConfig":

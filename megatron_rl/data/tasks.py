@@ -130,13 +130,14 @@ def teacher_drops_units_carry(row: PromptRow, p: float, seed: int) -> PromptRow:
     sum: with p > 0.5 the supervised model's most likely answer to a carrying sum is the teacher's mistake, a
     plateau SFT cannot leave, and the right answer is still sampled often enough for RL to find and keep.
     """
-    a, plus, b = row.prompt.rstrip("=").partition("+")
-    if not (plus and a.isdigit() and b.isdigit() and str(row.answer) == str(int(a) + int(b))):
+    left, plus, right = row.prompt.rstrip("=").partition("+")
+    if not (plus and left.isdigit() and right.isdigit() and str(row.answer) == str(int(left) + int(right))):
         where = f"{row.source}: " if row.source else ""
         raise DataFormatError(f"{where}sft.teacher_carry_drop needs addition rows 'a+b=' -> a+b, got {row.prompt!r} -> {row.answer!r}")
-    if int(a) % 10 + int(b) % 10 < 10 or random.Random(f"{seed}:{row.prompt}").random() >= p:
+    a, b = int(left), int(right)
+    if a % 10 + b % 10 < 10 or random.Random(f"{seed}:{row.prompt}").random() >= p:
         return row
-    return PromptRow(prompt=row.prompt, answer=str(int(a) + int(b) - 10), meta=row.meta, source=row.source)
+    return PromptRow(prompt=row.prompt, answer=str(a + b - 10), meta=row.meta, source=row.source)
 
 
 def generate(task: str, n: int, seed: int, exclude: set[str] | None = None, **opts) -> list[PromptRow]:
