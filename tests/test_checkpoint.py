@@ -25,12 +25,12 @@ warnings.filterwarnings("ignore", category=UserWarning)
 VOCAB, B, S = 50, 4, 12
 
 
-def make_learner(seed: int, distopt: bool = False, dtype: str = "fp32") -> Learner:
+def make_learner(seed: int, distopt: bool = False, dtype: str = "fp32", total_steps: int = 10) -> Learner:
     """A world-1 tiny learner with a warm-up + cosine schedule (so the scheduler state matters)."""
     return Learner(
         ModelConfig(preset="tiny"), ParallelConfig(logprob_chunk_size=5, use_distributed_optimizer=distopt),
         OptimConfig(lr=1e-2, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=1e-3, clip_grad=1.0, params_dtype=dtype),
-        PrecisionConfig(), vocab_size=VOCAB, seed=seed, total_steps=10,
+        PrecisionConfig(), vocab_size=VOCAB, seed=seed, total_steps=total_steps,
     )
 
 
@@ -118,6 +118,25 @@ def test_round_trip_and_bitwise_resumption(distopt, dtype, tmp_path):
     assert_same_state(adam_state(b), saved_adam)
     assert b.train_step(make_batch(1), loss_fn, 2) == ref
     assert_same_state(weights(b), ref_w)
+
+
+def test_resume_with_more_steps_decays_over_the_new_total(tmp_path):
+    """A finished run (lr at min_lr) resumed with a larger total continues the config's schedule from the saved step count."""
+    done = make_learner(seed=3, total_steps=4)
+    for i in range(4):
+        done.train_step(make_batch(i), loss_fn, 2)
+    lr_of = lambda lrn: lrn.scheduler.get_lr(lrn.optimizer.param_groups[0])
+    assert lr_of(done) == pytest.approx(1e-3)  # the end of its decay: training on would not move the weights
+    ckpt.save_checkpoint(done, str(tmp_path), step=4, rl_state={"step": 4})
+    longer = make_learner(seed=3, total_steps=12)
+    ckpt.load_checkpoint(longer, str(tmp_path))
+    reference = make_learner(seed=3, total_steps=12)
+    reference.scheduler.step(4)  # where an uninterrupted 12-step run's schedule is after 4 steps
+    assert longer.scheduler.num_steps == 4 and longer.scheduler.lr_decay_steps == reference.scheduler.lr_decay_steps
+    assert lr_of(longer) == pytest.approx(lr_of(reference)) and lr_of(longer) > 5e-3
+    before = weights(longer)["output_layer.weight"].clone()
+    longer.train_step(make_batch(4), loss_fn, 2)
+    assert not torch.equal(weights(longer)["output_layer.weight"], before)
 
 
 def test_checkpoint_layout_and_meta(tmp_path):

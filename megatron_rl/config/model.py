@@ -72,7 +72,7 @@ class OptimConfig(StrictConfig):
     lr_warmup_steps: NonNegativeInt = 0
     """Linear warm-up steps (optimizer steps, >= 0)."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning-rate schedule after warm-up."""
+    """Learning-rate schedule after warm-up, over the run's optimizer steps (a resume with more train.steps re-plans it over the new total)."""
     weight_decay: NonNegativeFloat = 0.0
     """Decoupled weight decay (AdamW, >= 0)."""
     adam_beta1: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)

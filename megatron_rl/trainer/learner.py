@@ -145,6 +145,11 @@ class Learner:
             end_wd=optim_cfg.weight_decay,
             wd_incr_steps=1,
             wd_incr_style="constant",
+            # The config, not the checkpoint, sets the schedule: a run resumed with a raised train.steps decays over
+            # its new total from the saved step count; megatron's default keeps the saved horizon, where a finished
+            # run's learning rate is already min_lr, so training further would not move the weights.
+            override_opt_param_scheduler=True,
+            use_checkpoint_opt_param_scheduler=False,
         )
         self.step_count = 0
 
