@@ -176,7 +176,8 @@ def measure(args) -> dict[str, Any]:
     unit = world * args.minibatches * args.micro_batch_size
     if args.rows % unit != 0:
         raise SystemExit(f"--rows {args.rows} must be a multiple of world {world} x --minibatches x --micro-batch-size = {unit}")
-    learner = Learner(base.model, pcfg, base.optim, base.precision, vocab_size=args.vocab, seed=base.train.seed)
+    learner = Learner(base.model, pcfg, base.optim, base.precision, vocab_size=args.vocab, seed=base.train.seed,
+                      total_steps=base.train.optimizer_steps)
     batch = synthetic_batch(args.rows, args.seq, learner.arch.vocab_size)
     from megatron_rl.phases.logprobs import _global_forward
 
@@ -187,7 +188,7 @@ def measure(args) -> dict[str, Any]:
     sessions = {}
     for v, cfg in cfgs.items():
         lr = learner if v == "off" else Learner(cfg.model, pcfg, cfg.optim, cfg.precision, vocab_size=args.vocab,
-                                                seed=cfg.train.seed)
+                                                seed=cfg.train.seed, total_steps=cfg.train.optimizer_steps)
         sessions[v] = SimpleNamespace(cfg=cfg, learner=lr, clipper=make_clipper(cfg), reference=None,
                                       run_dir=Path(tempfile.gettempdir()))
     counter = CollectiveCounter(collectives.dist)

@@ -78,7 +78,8 @@ def time_layout(args, layout: dict) -> list[float]:
         use_distributed_optimizer=layout.get("distopt", False),
     )
     state.init_distributed(pcfg, seed=5)
-    learner = Learner(cfg.model, pcfg, cfg.optim, cfg.precision, vocab_size=args.vocab, seed=5)
+    learner = Learner(cfg.model, pcfg, cfg.optim, cfg.precision, vocab_size=args.vocab, seed=5,
+                      total_steps=cfg.train.optimizer_steps)
 
     g = torch.Generator().manual_seed(7)
     rows, seq, vocab = args.rows, args.seq, learner.arch.vocab_size

@@ -275,9 +275,8 @@ def open_session(cfg: RunConfig) -> RunSession:
         dump_config(cfg, run_dir / "config.yaml")
     tokenizer, train_rows, eval_rows = given_data or _controller_first(lambda: load_datasets(cfg, run_dir))
     hf_dir = ensure_warm_start(cfg, run_dir, tokenizer, train_rows)
-    total = cfg.train.steps * cfg.train.num_minibatches * cfg.train.ppo_epochs
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=model_vocab_size(hf_dir, tokenizer),
-                      seed=cfg.train.seed, total_steps=total)
+                      seed=cfg.train.seed, total_steps=cfg.train.optimizer_steps)
     hf_dir = initialize_learner(learner, hf_dir, tokenizer, run_dir)
     session = RunSession(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                          reward_fn=get_reward_fn(cfg.data.reward), learner=learner, clipper=make_clipper(cfg), hf_dir=hf_dir,

@@ -76,7 +76,8 @@ def test_greedy_accuracy_is_what_greedy_decoding_scores(tmp_path):
             else:
                 wrong.append(PromptRow(prompt, text + "7"))
     assert len(right) >= 4 and len(wrong) >= 4, f"too few clean greedy rows ({len(right)}, {len(wrong)}) to test with"
-    learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=len(tokenizer), seed=cfg.train.seed)
+    learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=len(tokenizer), seed=cfg.train.seed,
+                      total_steps=cfg.train.optimizer_steps)
     load_initial_weights(learner, str(tmp_path / "sft" / "hf"))
     mixed = right + wrong
     # micro-batch 16 pads the rows with copies, which must not count

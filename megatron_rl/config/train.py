@@ -65,6 +65,11 @@ class TrainConfig(StrictConfig):
     health: HealthConfig = HealthConfig()
     """Training-health guard: skipped non-finite updates, stop rules."""
 
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run (steps x num_minibatches x ppo_epochs): the length of optim's decay."""
+        return self.steps * self.num_minibatches * self.ppo_epochs
+
 
 class SftConfig(StrictConfig):
     """Supervised warm start on the task (`megatron-rl sft`)."""

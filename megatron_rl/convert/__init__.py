@@ -71,7 +71,8 @@ def hf_to_megatron(src: str, dst: str, cfg, check_model: bool = False) -> str:
     state.init_distributed(cfg.parallel, cfg.train.seed)
     # Weights are converted at their own precision; the FP8 policy applies when a run loads them.
     learner = Learner(cfg.model, cfg.parallel, cfg.optim.model_copy(update={"params_dtype": params_dtype}),
-                      PrecisionConfig(), vocab_size=arch.vocab_size, seed=cfg.train.seed, architecture=arch)
+                      PrecisionConfig(), vocab_size=arch.vocab_size, seed=cfg.train.seed, architecture=arch,
+                      total_steps=cfg.train.optimizer_steps)
     load_initial_weights(learner, src)
     return save_checkpoint(learner, dst, step=0, rl_state={"step": 0, "converted_from": str(src)}, keep_last=1)
 

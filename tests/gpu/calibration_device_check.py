@@ -162,7 +162,8 @@ def train_steps() -> None:
             def one(mode=mode, backend=backend, name=name):
                 cfg = load_config(ROOT / "examples" / "configs" / "tiny_fp8_grpo.yaml",
                                   [*base, f"algo.calibration.bounds_update={mode}", f"algo.calibration.backend={backend}"])
-                learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=vocab, seed=cfg.train.seed)
+                learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=vocab, seed=cfg.train.seed,
+                                  total_steps=cfg.train.optimizer_steps)
                 on_device = next(learner.model[0].parameters()).device.type == DEVICE
                 with tempfile.TemporaryDirectory() as run_dir:
                     session = SimpleNamespace(cfg=cfg, learner=learner, clipper=make_clipper(cfg), reference=None, run_dir=run_dir)
