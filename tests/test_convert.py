@@ -44,7 +44,9 @@ def test_hf_to_megatron_checkpoint_starts_a_learner_with_the_hf_weights(tmp_path
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(hf_config(arch)).eval()
     hf.save_pretrained(str(tmp_path / "hf"))
-    assert main(["convert", "hf-to-megatron", str(tmp_path / "hf"), str(tmp_path / "mg"), "model.preset=tiny"]) == 0
+    # a decaying schedule (as the tiny configs have) must not stop a conversion, which trains nothing
+    assert main(["convert", "hf-to-megatron", str(tmp_path / "hf"), str(tmp_path / "mg"), "model.preset=tiny",
+                 "optim.lr_decay_style=cosine"]) == 0
     assert is_megatron_checkpoint(tmp_path / "mg") and not is_megatron_checkpoint(tmp_path / "hf")
 
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=len(tok), seed=123)
