@@ -199,3 +199,17 @@ def test_api_key_is_redacted_in_the_run_record(tmp_path):
     text = (tmp_path / "config.yaml").read_text()
     assert "s3cret-token" not in text and "api_key: <redacted>" in text
     assert cfg.rollout.api_key == "s3cret-token"
+
+
+def test_sequences_per_request_default_and_router_rule():
+    """Embedded engines addressed directly pack 256 samples per call; a router (one sampling_params per call in
+    sglang-router 0.3.2) or external URLs get one prompt per call, and an explicit packing there is refused."""
+    base = Path(__file__).parent.parent / "examples" / "configs" / "tiny_fp8_grpo.yaml"
+    assert load_config(base).rollout.resolved_sequences_per_request == 256
+    routed = load_config(base, ["rollout.use_router=true"]).rollout
+    assert routed.resolved_sequences_per_request == routed.n_samples_per_prompt
+    assert load_config(base, ["rollout.sequences_per_request=32"]).rollout.resolved_sequences_per_request == 32
+    with pytest.raises(ConfigError, match=r"rollout\.sequences_per_request=32.*sglang-router"):
+        load_config(base, ["rollout.use_router=true", "rollout.sequences_per_request=32"])
+    with pytest.raises(ConfigError, match=r"rollout\.sequences_per_request"):
+        load_config(base, ["rollout.sequences_per_request=2000"])

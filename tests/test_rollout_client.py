@@ -227,3 +227,24 @@ def test_from_config_uses_rollout_config():
     cfg = RolloutConfig(engine="external", urls=["http://127.0.0.1:9"], concurrency=5, max_retries=1)
     c = RolloutClient.from_config(cfg)
     assert c.urls == ["http://127.0.0.1:9"] and c.concurrency == 5 and c.max_retries == 1
+
+
+def test_pack_calls_keeps_whole_prompts_in_order():
+    from megatron_rl.rollout.client import pack_calls
+
+    assert pack_calls([4, 4, 4, 4], 8) == [[0, 1], [2, 3]]
+    assert pack_calls([4, 4, 4], 1) == [[0], [1], [2]]  # a prompt asking for more than the cap gets a call of its own
+    assert pack_calls([3, 9, 2, 2], 8) == [[0], [1], [2, 3]]
+    assert pack_calls([], 8) == []
+
+
+def test_batched_body_is_sglangs_list_form():
+    from megatron_rl.rollout.client import batched_generate_body, generate_body
+
+    body = batched_generate_body([generate_body([1, 2], {"n": 2, "sampling_seed": 5}, True),
+                                  generate_body([3], {"n": 2, "sampling_seed": 6}, True)])
+    assert body["input_ids"] == [[1, 2], [3]]
+    assert [sp["sampling_seed"] for sp in body["sampling_params"]] == [5, 6]
+    assert body["return_logprob"] is True and body["logprob_start_len"] == -1 and "rid" not in body
+    with pytest.raises(ValueError, match="share return_logprob"):
+        batched_generate_body([generate_body([1], {}, True), generate_body([2], {}, False)])

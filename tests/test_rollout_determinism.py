@@ -1,12 +1,15 @@
 """Embedded engines: batch-invariant samples under --enable-deterministic-inference, and exit when the trainer dies."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import aiohttp
 
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.engine.testing import ThreadedServer, make_tiny_model
@@ -30,6 +33,49 @@ def test_deterministic_samples_do_not_depend_on_co_batched_requests(tmp_path):
             alone = client.generate_sync(p, _params(k))
             assert [r.output_ids for r in alone] == [r.output_ids for r in together[k]]
             assert [r.logprobs for r in alone] == [r.logprobs for r in together[k]]  # bitwise
+
+
+def test_deterministic_engine_generates_one_batched_call_as_one_batch(tmp_path):
+    """A call packing several prompts runs as one batch, repeats bit for bit, matches the prompts sent alone up to
+    float rounding (left padding), and is never merged with a concurrent call."""
+    make_tiny_model(str(tmp_path / "m"), seed=0)
+    params = [_params(k) for k in range(len(PROMPTS))]
+    with ThreadedServer(str(tmp_path / "m"), deterministic=True, batch_window_s=0.05) as srv:
+        packed = RolloutClient(srv.url, sequences_per_request=64)
+        first = packed.generate_batch_sync(PROMPTS, params)
+        assert srv.server.batches_run == 1
+        again = packed.generate_batch_sync(PROMPTS, params)
+        assert [[r.logprobs for r in g] for g in again] == [[r.logprobs for r in g] for g in first]  # bitwise
+        alone = RolloutClient(srv.url).generate_batch_sync(PROMPTS, params)
+        assert [[r.output_ids for r in g] for g in alone] == [[r.output_ids for r in g] for g in first]
+        diffs = [abs(a - b) for ga, gb in zip(alone, first) for ra, rb in zip(ga, gb) for a, b in zip(ra.logprobs, rb.logprobs)]
+        assert max(diffs) < 1e-4
+        # two packed calls in flight together: each still runs as a batch of its own, so each equals its answer alone
+        halves = [(PROMPTS[:2], params[:2]), (PROMPTS[2:], params[2:])]
+        solo = [packed.generate_batch_sync(h, hp) for h, hp in halves]
+        before = srv.server.batches_run
+
+        async def both_at_once():
+            async with aiohttp.ClientSession() as session:
+                sem = asyncio.Semaphore(2)
+                return await asyncio.gather(*(packed._generate_call(session, sem, h, hp, True) for h, hp in halves))
+
+        together = asyncio.run(both_at_once())
+        assert srv.server.batches_run == before + 2
+        assert [[[r.logprobs for r in g] for g in call] for call in together] == \
+            [[[r.logprobs for r in g] for g in call] for call in solo]
+
+
+def test_deterministic_engine_splits_a_call_at_max_batch_size(tmp_path):
+    """A call larger than --max-batch-size runs as consecutive batches of whole requests, the same every time."""
+    make_tiny_model(str(tmp_path / "m"), seed=0)
+    params = [_params(k) for k in range(len(PROMPTS))]  # n = 3 each: 15 rows
+    with ThreadedServer(str(tmp_path / "m"), deterministic=True, max_batch_size=7) as srv:
+        client = RolloutClient(srv.url, sequences_per_request=64)
+        first = client.generate_batch_sync(PROMPTS, params)
+        assert srv.server.batches_run == 3  # [3+3], [3+3], [3]
+        assert [[r.logprobs for r in g] for g in client.generate_batch_sync(PROMPTS, params)] == \
+            [[r.logprobs for r in g] for g in first]
 
 
 def test_concurrent_requests_are_batched_by_default(tmp_path):

@@ -30,6 +30,9 @@ class SamplingConfig(StrictConfig):
         return self
 
 
+EMBEDDED_SEQUENCES_PER_REQUEST = 256
+"""Default samples per /generate call to embedded engines (their --max-batch-size default; the server caps a call at 1024)."""
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 """Hosts that name this machine (an engine there can map the trainer's shared memory / CUDA IPC handles)."""
 
@@ -113,6 +116,8 @@ class RolloutConfig(StrictConfig):
     """Sampling parameters."""
     concurrency: PositiveInt = 8
     """Maximum in-flight HTTP requests per client (>= 1)."""
+    sequences_per_request: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
+    """Samples (prompts x n, 1-1024) one batched /generate call may carry, whole prompts packed in order; None = 256 for embedded engines without a router (a deterministic embedded engine generates one call as one batch), else one prompt per call (SGLang batches across calls itself, and the router spreads prompts over engines). Above n_samples_per_prompt needs engines addressed directly: sglang-router 0.3.2 takes one sampling_params per call, and every prompt carries its own sampling_seed."""
     request_timeout_s: PositiveFloat = 120.0
     """Timeout of one HTTP request (seconds, > 0)."""
     max_retries: NonNegativeInt = 3
@@ -128,7 +133,7 @@ class RolloutConfig(StrictConfig):
     api_key: Optional[str] = None
     """Bearer key of the engines (SGLang's --api-key): embedded engines are started with it and every request sends it."""
     deterministic_inference: bool = True
-    """Batch-invariant rollouts: embedded engines generate each prompt's request alone, so samples depend only on (weights, prompt, seed), never on co-batched requests (needed for exact resume and DP/TP-invariant runs); SGLang engines we launch get --enable-deterministic-inference (external ones must be started with it)."""
+    """Reproducible rollouts: embedded engines generate each /generate call as a batch of its own (never co-batched with other calls), so samples depend only on (weights, the call's prompts, seeds), and the client packs calls the same way every time (needed for exact resume and DP/TP-invariant runs); SGLang engines we launch get --enable-deterministic-inference, batch-invariant outright (external ones must be started with it)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -184,6 +189,12 @@ class RolloutConfig(StrictConfig):
                 raise ValueError(f"rollout.weight_sync.transport=tensor hands engines shared-memory / CUDA-IPC handles, "
                                  f"which only an engine on this host can open; {remote[0]} is elsewhere "
                                  "(use transport=distributed or disk)")
+        if (self.sequences_per_request is not None and self.sequences_per_request > self.n_samples_per_prompt
+                and (self.use_router or self.engine == "external")):
+            raise ValueError(f"rollout.sequences_per_request={self.sequences_per_request} packs several prompts into one "
+                             "/generate call, which needs engines addressed directly: sglang-router 0.3.2 refuses a list "
+                             "of sampling_params (HTTP 422) and every prompt carries its own sampling_seed; leave it unset "
+                             f"(one prompt per call) with use_router=true or engine=external")
         if self.placement == "colocated":
             self._check_colocated()
         elif self.colocate_offload:
@@ -192,6 +203,14 @@ class RolloutConfig(StrictConfig):
         if self.api_key is not None and (not self.api_key or any(c.isspace() or not c.isprintable() for c in self.api_key)):
             raise ValueError("rollout.api_key must be a non-empty string without whitespace (it is sent in an HTTP header)")
         return self
+
+    @property
+    def resolved_sequences_per_request(self) -> int:
+        """sequences_per_request with None resolved (256 embedded; n_samples_per_prompt, one prompt per call, otherwise)."""
+        if self.sequences_per_request is not None:
+            return self.sequences_per_request
+        direct = self.engine == "embedded" and not self.use_router
+        return EMBEDDED_SEQUENCES_PER_REQUEST if direct else self.n_samples_per_prompt
 
     def _check_colocated(self) -> None:
         """What rollout.placement=colocated needs (engines on the learner's devices, memory released while it trains)."""

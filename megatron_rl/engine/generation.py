@@ -499,11 +499,10 @@ class Engine:
             k, p, m = top_k[idx], top_p[idx], min_p[idx]
             if bool((k > 0).any() | (p < 1.0).any() | (m > 0).any()):  # the sort is the costly part on big vocabularies
                 probs = filter_probs(probs, k, p, m)
-        for k, gen in enumerate(gens):
-            if g_rows[k]:
-                tokens[k] = int(proc[k].argmax())
-            else:
-                tokens[k] = int(torch.multinomial(probs[k], 1, generator=gen))
+        if bool(g_rows.any()):
+            tokens[g_rows] = proc[g_rows].argmax(dim=-1)
+        for k in (~g_rows).nonzero()[:, 0].tolist():
+            tokens[k] = int(torch.multinomial(probs[k], 1, generator=gens[k]))
         return tokens, raw_logprobs.gather(-1, tokens[:, None])[:, 0]
 
     def _stop_string_hit(self, ids: list[int], params: SamplingParams) -> Optional[str]:

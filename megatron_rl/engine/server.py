@@ -104,9 +104,10 @@ class RolloutServer:
                  sglang_compat: str = DEFAULT_COMPAT, tp_size: int = 1):
         """Configure the server; the model is loaded in the background once the app starts.
 
-        deterministic: generate every request in a batch of its own, so a request's samples never
-        depend on which other requests arrived in the same window (padding to a longer co-batched
-        prompt changes the float rounding of its logits); SGLang's --enable-deterministic-inference.
+        deterministic: generate every /generate call in a batch of its own (its prompts together), so a call's
+        samples never depend on which other calls arrived in the same window (padding to a longer co-batched
+        prompt changes the float rounding of its logits); SGLang's --enable-deterministic-inference, which is
+        batch-invariant outright, gives the same guarantee and more.
         api_key: require `Authorization: Bearer <api_key>` on every endpoint but /health (SGLang's rule).
         max_n / max_sequences_per_request: bounds on sampling_params.n and on prompts x n per request
         (the latter never below max_n). max_body_mb / max_weight_body_mb: request body limits
@@ -219,22 +220,25 @@ class RolloutServer:
 
     # ----------------------------------------------------------------------------- batching
     async def _batch_loop(self) -> None:
-        """Collect queued requests for `batch_window_s`, then generate them together."""
+        """Take the next queued /generate call; co-batch further calls for `batch_window_s` unless deterministic.
+
+        Deterministic: a call is a batch of its own (split at `max_batch_size` rows in prompt order), so its samples
+        depend only on the call itself, never on what else arrived in the window.
+        """
         assert self._queue is not None and self._unpaused is not None
         loop = asyncio.get_running_loop()
         while True:
-            first = await self._queue.get()
-            batch = [first]
-            rows = first.request.params.n
+            batch = list(await self._queue.get())
+            rows = sum(item.request.params.n for item in batch)
             deadline = loop.time() + self.batch_window_s
             while rows < self.max_batch_size and not self.deterministic:
                 timeout = deadline - loop.time()
                 try:
-                    item = self._queue.get_nowait() if timeout <= 0 else await asyncio.wait_for(self._queue.get(), timeout)
+                    call = self._queue.get_nowait() if timeout <= 0 else await asyncio.wait_for(self._queue.get(), timeout)
                 except (asyncio.QueueEmpty, asyncio.TimeoutError):
                     break
-                batch.append(item)
-                rows += item.request.params.n
+                batch.extend(call)
+                rows += sum(item.request.params.n for item in call)
             await self._unpaused.wait()
             live = []
             for item in batch:
@@ -242,8 +246,20 @@ class RolloutServer:
                     self._finish_aborted(item)
                 elif not item.future.done():
                     live.append(item)
-            if live:
-                await self._run_batch(live)
+            for chunk in self._chunks(live) if self.deterministic else ([live] if live else []):
+                await self._run_batch(chunk)
+
+    def _chunks(self, items: list[_Pending]) -> list[list[_Pending]]:
+        """Consecutive runs of whole requests of at most `max_batch_size` rows (a larger request runs alone)."""
+        chunks: list[list[_Pending]] = []
+        rows = 0
+        for item in items:
+            if not chunks or rows + item.request.params.n > self.max_batch_size:
+                chunks.append([])
+                rows = 0
+            chunks[-1].append(item)
+            rows += item.request.params.n
+        return chunks
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         """Generate one batch on the worker thread and resolve its futures.
@@ -312,11 +328,16 @@ class RolloutServer:
         self._aborted_rids.discard(item.rid)
 
     async def _submit(self, request: GenerationRequest, rid: str) -> tuple[list[GenerationOutput], str]:
-        """Queue a request and wait for its samples (and the weight version that produced them)."""
+        """Queue one request as a call of its own and wait for its samples (and the weight version that produced them)."""
+        return (await self._submit_call([(request, rid)]))[0]
+
+    async def _submit_call(self, requests: list[tuple[GenerationRequest, str]]) -> list[tuple[list[GenerationOutput], str]]:
+        """Queue the (request, rid) pairs of one /generate call together; each one's (samples, weight version)."""
         assert self._queue is not None
-        future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(request, rid, future, self._abort_epoch))
-        return await future
+        loop = asyncio.get_running_loop()
+        call = [_Pending(request, rid, loop.create_future(), self._abort_epoch) for request, rid in requests]
+        await self._queue.put(call)
+        return list(await asyncio.gather(*(item.future for item in call)))
 
     # ----------------------------------------------------------------------------- handlers
     def _not_ready(self) -> Optional[web.Response]:
@@ -493,7 +514,7 @@ class RolloutServer:
         items, batched, stream = parsed.items, parsed.batched, parsed.stream
         t0 = time.perf_counter()
         try:
-            results = await asyncio.gather(*(self._submit(it.request, it.rid) for it in items))
+            results = await self._submit_call([(it.request, it.rid) for it in items])
         except InvalidRequest as exc:  # the model changed under the request (e.g. a smaller vocabulary)
             return _error(str(exc))
         except Exception as exc:

@@ -133,6 +133,41 @@ def generate_body(input_ids: list[int], sampling_params: Optional[Mapping], retu
     return body
 
 
+def batched_generate_body(bodies: Sequence[dict]) -> dict:
+    """One batched /generate body (GenerateReqInput with a list of prompts) from single-prompt `generate_body`s."""
+    flags = {(b["return_logprob"], b["logprob_start_len"]) for b in bodies}
+    if len(flags) != 1:
+        raise ValueError("prompts of one batched /generate call must share return_logprob and logprob_start_len")
+    body: dict[str, Any] = {"input_ids": [b["input_ids"] for b in bodies],
+                            "sampling_params": [b["sampling_params"] for b in bodies],
+                            "return_logprob": bodies[0]["return_logprob"],
+                            "logprob_start_len": bodies[0]["logprob_start_len"]}
+    if any("rid" in b for b in bodies):
+        body["rid"] = [b.get("rid") for b in bodies]
+    return body
+
+
+def _n_of(sampling_params: Optional[Mapping]) -> int:
+    """Samples one prompt asks for (SGLang's default n is 1)."""
+    if hasattr(sampling_params, "model_dump"):
+        sampling_params = sampling_params.model_dump()
+    return int((sampling_params or {}).get("n", 1) or 1)
+
+
+def pack_calls(samples_per_prompt: Sequence[int], sequences_per_request: int) -> list[list[int]]:
+    """Prompt indices of each /generate call: consecutive whole prompts while their samples fit
+    `sequences_per_request` (a prompt asking for more gets a call of its own)."""
+    calls: list[list[int]] = []
+    used = 0
+    for k, n in enumerate(samples_per_prompt):
+        if not calls or used + n > sequences_per_request:
+            calls.append([])
+            used = 0
+        calls[-1].append(k)
+        used += n
+    return calls
+
+
 def disk_update_body(model_path: str, weight_version: Optional[Any] = None, load_format: Optional[str] = None,
                      flush_cache: bool = True) -> dict:
     """The /update_weights_from_disk body (UpdateWeightFromDiskReqInput)."""
@@ -174,10 +209,12 @@ class RolloutClient:
 
     def __init__(self, urls: Union[str, Sequence[str]], concurrency: int = 8, request_timeout_s: float = 120.0,
                  max_retries: int = 3, retry_backoff_s: float = 0.5, connect_timeout_s: float = 10.0,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, sequences_per_request: int = 1):
         """Validate settings; no connection is made until a request.
 
         api_key: sent as `Authorization: Bearer <api_key>` on every request (servers started with --api-key).
+        sequences_per_request: `generate_batch` packs whole prompts into one batched /generate call (SGLang's
+        list-of-prompts GenerateReqInput) while their samples (prompts x n) fit this many; 1 sends one call per prompt.
         """
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -193,6 +230,9 @@ class RolloutClient:
             raise ValueError("max_retries must be >= 0")
         if retry_backoff_s < 0:
             raise ValueError("retry_backoff_s must be >= 0")
+        if sequences_per_request < 1:
+            raise ValueError("sequences_per_request must be >= 1")
+        self.sequences_per_request = sequences_per_request
         self.urls = [u.rstrip("/") for u in urls]
         self.concurrency = concurrency
         self.request_timeout_s = request_timeout_s
@@ -209,7 +249,8 @@ class RolloutClient:
         """A client built from a `RolloutConfig` (urls default to cfg.urls)."""
         return cls(list(urls) if urls is not None else cfg.urls, concurrency=cfg.concurrency,
                    request_timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
-                   retry_backoff_s=cfg.retry_backoff_s, api_key=cfg.api_key)
+                   retry_backoff_s=cfg.retry_backoff_s, api_key=cfg.api_key,
+                   sequences_per_request=cfg.resolved_sequences_per_request)
 
     # ---------------------------------------------------------------------------- transport
     def _session(self) -> aiohttp.ClientSession:
@@ -291,31 +332,41 @@ class RolloutClient:
                     self.mark_dead(url, str(exc))
 
     # ----------------------------------------------------------------------------- generate
-    async def _generate_one(self, session: aiohttp.ClientSession, sem: asyncio.Semaphore, input_ids: list[int],
-                            sampling_params: Optional[Mapping], return_logprob: bool, rid: Optional[str]) -> list[GenerateResult]:
-        body = generate_body(input_ids, sampling_params, return_logprob, rid)
-        n = int(body["sampling_params"].get("n", 1) or 1)
+    async def _generate_call(self, session: aiohttp.ClientSession, sem: asyncio.Semaphore,
+                             prompts: Sequence[list[int]], sampling_params: Sequence[Optional[Mapping]],
+                             return_logprob: bool, rid: Optional[str] = None) -> list[list[GenerateResult]]:
+        """One /generate call carrying `prompts` (a batched body when there are several); samples per prompt."""
+        bodies = [generate_body(p, sp, return_logprob, rid) for p, sp in zip(prompts, sampling_params)]
+        counts = [int(b["sampling_params"].get("n", 1) or 1) for b in bodies]
+        body = bodies[0] if len(bodies) == 1 else batched_generate_body(bodies)
         async with sem:
             url, data = await self._post_generate(session, body)
         objs = data if isinstance(data, list) else [data]
-        if len(objs) != n:
-            raise _bad(f"{url} returned {len(objs)} samples for n={n}")
-        return [parse_generate_response(o, want_logprobs=return_logprob) for o in objs]
+        if len(objs) != sum(counts):
+            want = f"n={counts[0]}" if len(counts) == 1 else f"{len(counts)} prompts x n (total {sum(counts)})"
+            raise _bad(f"{url} returned {len(objs)} samples for {want}")
+        parsed = [parse_generate_response(o, want_logprobs=return_logprob) for o in objs]
+        # SGLang answers a batched call prompt-major: prompt i's n samples are adjacent
+        starts = list(itertools.accumulate(counts, initial=0))
+        return [parsed[a:b] for a, b in zip(starts, starts[1:])]
 
     async def generate(self, input_ids: list[int], sampling_params: Optional[Mapping] = None,
                        return_logprob: bool = True, rid: Optional[str] = None) -> list[GenerateResult]:
         """The `sampling_params['n']` samples of one prompt (one request)."""
         _check_prompt(input_ids, 0)
         async with self._session() as session:
-            return await self._generate_one(session, asyncio.Semaphore(self.concurrency), input_ids,
-                                            sampling_params, return_logprob, rid)
+            return (await self._generate_call(session, asyncio.Semaphore(self.concurrency), [input_ids],
+                                              [sampling_params], return_logprob, rid))[0]
 
     async def generate_batch(self, prompts: Sequence[list[int]],
                              sampling_params: Union[None, Mapping, Sequence[Mapping]] = None,
                              return_logprob: bool = True) -> list[list[GenerateResult]]:
-        """Samples of many prompts: one request per prompt, at most `concurrency` in flight, in prompt order.
+        """Samples of many prompts, in prompt order: whole prompts packed into /generate calls of at most
+        `sequences_per_request` samples each (one prompt per call when that is 1), at most `concurrency` in flight.
 
         `sampling_params` is shared by every prompt, or a sequence with one entry per prompt (e.g. own seeds).
+        The packing depends only on the prompts' n, never on timing or engine count, so a deterministic engine
+        (which generates one call as one batch) returns the same samples when the same batch is sent again.
         """
         for k, p in enumerate(prompts):
             _check_prompt(p, k)
@@ -325,12 +376,14 @@ class RolloutClient:
             per_prompt = list(sampling_params)
         else:
             per_prompt = [sampling_params] * len(prompts)
+        calls = pack_calls([_n_of(sp) for sp in per_prompt], self.sequences_per_request)
         sem = asyncio.Semaphore(self.concurrency)
         async with self._session() as session:
-            tasks = [asyncio.ensure_future(self._generate_one(session, sem, p, sp, return_logprob, None))
-                     for p, sp in zip(prompts, per_prompt)]
+            tasks = [asyncio.ensure_future(self._generate_call(session, sem, [prompts[k] for k in call],
+                                                               [per_prompt[k] for k in call], return_logprob))
+                     for call in calls]
             try:
-                return list(await asyncio.gather(*tasks))
+                return [group for groups in await asyncio.gather(*tasks) for group in groups]
             finally:
                 for t in tasks:
                     t.cancel()
