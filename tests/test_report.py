@@ -48,7 +48,8 @@ def rows_of(n: int, calibrate_every: int = 3) -> list[dict]:
     for s in range(n):
         row = {"step": s, "reward/mean": s / n, "accuracy/train": 0.5 + s / (2 * n), "entropy": 1.0 - s / (2 * n),
                "clipfrac_lower_neg": 0.01 * s, "clipfrac_upper_pos": 0.002 * s, "clipfrac": 0.012 * s,
-               "calib/lower": 0.8 - 0.001 * s, "calib/upper": 1.2 + 0.001 * s, "time/step": 1.0}
+               "calib/lower": 0.8 - 0.001 * s, "calib/upper": 1.2 + 0.001 * s, "time/step": 1.0,
+               "offpolicy/clipfrac_lower_neg": 0.02 * s, "offpolicy/clipfrac_upper_pos": 0.004 * s}
         on = s % calibrate_every == 0
         row["hp/clipfrac_lower_neg"] = 0.009 * s if on else None
         row["hp/clipfrac_upper_pos"] = 0.003 * s if on else None
@@ -151,8 +152,16 @@ def test_sparse_metrics_are_markers_dense_are_lines():
     assert dense_line.get_marker() in ("None", None, "") and len(dense_line.get_xdata()) == 9
 
 
+def test_clipfrac_figure_draws_the_run_over_the_shadows_updates():
+    """The shadow counts off-policy updates only; the run's curves beside it must count the same updates."""
+    keys = [key for key, _ in plots.RUN_FIGURES["clipfrac"][2]]
+    assert {k.split("/")[0] for k in keys} == {"offpolicy", "hp"}
+    assert {k.split("/", 1)[1] for k in keys if k.startswith("hp/")} == \
+        {k.split("/", 1)[1] for k in keys if k.startswith("offpolicy/")}
+
+
 def test_metrics_never_logged_draw_no_empty_figure(tmp_path):
-    rows = [{k: v for k, v in r.items() if not k.startswith(("calib/", "hp/", "clipfrac"))} for r in rows_of(6)]
+    rows = [{k: v for k, v in r.items() if not k.startswith(("calib/", "hp/", "clipfrac", "offpolicy/"))} for r in rows_of(6)]
     (tmp_path / "plots").mkdir()
     (tmp_path / "plots" / "bounds.png").write_bytes(b"stale")
     written = plots.plot_run(rows, tmp_path / "plots")

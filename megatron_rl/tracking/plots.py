@@ -23,10 +23,11 @@ RUN_FIGURES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
         ("accuracy/eval", "held-out greedy accuracy"),
     ]),
     "entropy": ("Policy entropy", "nats / token", [("entropy", "entropy")]),
-    "clipfrac": ("Clip fractions by advantage sign", "fraction of tokens", [
-        ("clipfrac", "all tokens (either bound)"),
-        ("clipfrac_lower_neg", "A<0, r < L"),
-        ("clipfrac_upper_pos", "A>0, r > H"),
+    # like with like: the shadow's clip fractions count off-policy updates only (the on-policy first mini-batch has
+    # ratio 1 and clips nothing), so the run is drawn over the same updates (offpolicy/), not over every update
+    "clipfrac": ("Clip fractions by advantage sign (off-policy updates)", "fraction of tokens", [
+        ("offpolicy/clipfrac_lower_neg", "A<0, r < L"),
+        ("offpolicy/clipfrac_upper_pos", "A>0, r > H"),
         ("hp/clipfrac_lower_neg", "A<0, r < L (high-precision shadow)"),
         ("hp/clipfrac_upper_pos", "A>0, r > H (high-precision shadow)"),
     ]),
