@@ -155,16 +155,30 @@ def load_quantized_model(path: str, dtype: torch.dtype = torch.float32) -> torch
     return model.eval()
 
 
-def write_launch_checkpoint(hf_dir: str, precision, out_root: str) -> str:
+def launch_source_files(hf_dir: str) -> list:
+    """The files of `hf_dir` a launch checkpoint is built from (weights, JSON configs/indexes, tokenizer files)."""
+    from pathlib import Path
+
+    from megatron_rl.convert.safetensors_io import SIDE_FILE_PREFIXES
+
+    return sorted(p for p in Path(hf_dir).iterdir() if p.is_file() and (
+        p.name.endswith((".safetensors", ".json")) or p.name.startswith(SIDE_FILE_PREFIXES)))
+
+
+def write_launch_checkpoint(hf_dir: str, precision, out_root: str, **publish_kwargs) -> str:
     """An HF directory engines can be started from in the precision policy's rollout format.
 
     SGLang fixes each layer's quantization method when it starts, and later weight updates load
     into those layers: engines serving FP8 rollouts must therefore start from a checkpoint already
     in that format. Returns `hf_dir` itself when no quantization is needed or it is already in the
-    format, else writes <out_root>/launch_<format> (config, tokenizer files, quantized safetensors).
+    format, else <out_root>/launch_<format> (config, tokenizer files, quantized safetensors), built
+    once per source: every engine node of a run calls this at the same time on a shared run_dir, so
+    it goes through `convert.shared_dir.publish_once` (one builder, atomic publish, a complete one is
+    reused and never rewritten). `publish_kwargs` tune its polling (tests).
     """
     import shutil
 
+    from megatron_rl.convert.shared_dir import publish_once
     from megatron_rl.precision.hf_fp8 import load_fp8_checkpoint
 
     fmt = rollout_format(precision)
@@ -181,15 +195,13 @@ def write_launch_checkpoint(hf_dir: str, precision, out_root: str) -> str:
                          "needs a high-precision source to quantize from")
     from megatron_rl.rollout.sync.disk import write_hf_checkpoint
 
-    out = os.path.join(out_root, f"launch_{fmt.name}")
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    tensors, _ = load_fp8_checkpoint(hf_dir)
-    write_hf_checkpoint(fmt.quantize_state_dict(tensors), hf_dir, tmp, fmt.config_updates())
-    for name in os.listdir(hf_dir):
-        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, name))
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(tmp, out)
-    return out
+    def build(tmp: str) -> None:
+        tensors, _ = load_fp8_checkpoint(hf_dir)
+        write_hf_checkpoint(fmt.quantize_state_dict(tensors), hf_dir, tmp, fmt.config_updates())
+        for name in os.listdir(hf_dir):
+            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+                shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, name))
+
+    identity = {"format": fmt.name, "quantization_config": fmt.quantization_config}
+    return publish_once(os.path.join(out_root, f"launch_{fmt.name}"), identity, launch_source_files(hf_dir), build,
+                        **publish_kwargs)
