@@ -16,7 +16,8 @@ Definitions used (N = {A < 0}, P = {A > 0}; A = 0 tokens belong to neither):
 - quantile="next_tokens" (per_step: the bounds are for the next step's tokens): L_raw = the type-6 quantile,
   position h = alpha (|N| + 1) on the sorted negative ratios; h within 1e-6 of an integer k gives the k-th
   smallest, otherwise log L_raw is linear between the floor(h)-th and the next; h < 1 gives 0 (below every
-  ratio, so the lower clamp decides), h > |N| the largest ratio * (1 + 1e-6);
+  ratio), raised to the smallest negative ratio under lower_floor="lowest_ratio" (the default; "lower_min" leaves
+  it to the lower clamp), h > |N| the largest ratio * (1 + 1e-6);
 - guard rails in the documented order: clamp L to [lower_min, lower_max], relax_only L <= 1 - eps_low;
   H_raw = the smallest H >= 1 (1 or a positive FP8 ratio) with C+_fp8(H) >= rho * C-_fp8(L) * (1 - 1e-9) (the
   project's documented relative tolerance for summation order), the largest positive ratio when no H reaches it; clamp H to [upper_min, upper_max], relax_only H >= 1 + eps_high;
@@ -74,7 +75,8 @@ def _type6(negs: np.ndarray, alpha: float) -> float:
 def spec_solve(ratio: np.ndarray, ratio_hp: Optional[np.ndarray], adv: np.ndarray, *, eps_low: float, eps_high: float,
                lower_min: float = 0.05, lower_max: float = 1.0, upper_min: float = 1.0, upper_max: float = 10.0,
                relax_only: bool = True, previous: Optional[tuple[float, float]] = None,
-               targets: Optional[tuple[float, float]] = None, quantile: str = "same_tokens") -> SpecSolution:
+               targets: Optional[tuple[float, float]] = None, quantile: str = "same_tokens",
+               lower_floor: str = "lowest_ratio") -> SpecSolution:
     """alpha, rho, L and H of one pooled token set, from the spec: targets from `ratio_hp` (nan where a token has
     none), or `targets` = (alpha, rho) held from an earlier event when no token has one."""
     ratio, adv = (np.asarray(x, dtype=np.float64).reshape(-1) for x in (ratio, adv))
@@ -108,6 +110,8 @@ def spec_solve(ratio: np.ndarray, ratio_hp: Optional[np.ndarray], adv: np.ndarra
     else:
         if quantile == "next_tokens":
             lower_raw = _type6(negs, alpha)
+            if lower_floor == "lowest_ratio":
+                lower_raw = max(lower_raw, float(negs[0]))
         else:
             k = n_below + 1 if same_tokens else int(math.floor(alpha * n_neg + 1e-6)) + 1
             lower_raw = float(negs[k - 1]) if k <= n_neg else float(negs[-1]) * (1.0 + 1e-6)

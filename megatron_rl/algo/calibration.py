@@ -15,6 +15,8 @@ communication), and `reduce(group)` combines the ranks once per solve:
      k = floor(alpha |N|) + 1; for bounds applied to later tokens (`quantile="next_tokens"`, per_step) the
      type-6 quantile at position alpha (|N| + 1), whose expected coverage of new tokens is alpha
      (megatron_rl/algo/ratio_stats.py);
+     With `lower_floor="lowest_ratio"` L is at least the lowest FP8 negative ratio (the largest L that clips none of
+     the solved tokens), so an alpha below the first token (alpha = 0) keeps a lower trust region;
   2. clamp L to [lower_min, lower_max];
   3. relax_only: L = min(L, 1 - eps_low);
   4. H from the `upper` rule at that L (match_contribution: smallest H >= 1 with
@@ -305,6 +307,8 @@ def _upper_fixed(stats: Stats, lower: float, targets: CalibrationTargets, eps_lo
 
 
 QUANTILES = {"same_tokens": "lower_quantile", "next_tokens": "predictive_lower_quantile"}
+LOWER_FLOORS = ("lowest_ratio", "lower_min")
+"""What bounds L from below when alpha lies under the first negative token (config algo.calibration.lower_floor)."""
 """How L is read off the FP8 negative ratios: for the tokens the statistics hold, or for tokens not yet seen."""
 
 
@@ -335,13 +339,20 @@ def solve_bounds(
     previous: Optional[tuple[float, float]] = None,
     dtype: torch.dtype = torch.float32,
     quantile: str = "same_tokens",
+    lower_floor: str = "lowest_ratio",
 ) -> BoundsSolution:
     """L and H from global statistics in the module docstring's order (no communication); `previous` (default 1 -/+ eps) fills an empty side."""
     rule = UPPER_RULES.get(upper)
     if quantile not in QUANTILES:
         raise ValueError(f"unknown calibration quantile {quantile!r}; choose one of {sorted(QUANTILES)}")
+    if lower_floor not in LOWER_FLOORS:
+        raise ValueError(f"unknown calibration lower_floor {lower_floor!r}; choose one of {LOWER_FLOORS}")
     prev_lo, prev_hi = (1.0 - eps_low, 1.0 + eps_high) if previous is None else (float(previous[0]), float(previous[1]))
     raw_lo = getattr(stats, QUANTILES[quantile])(targets.alpha)
+    if raw_lo is not None and lower_floor == "lowest_ratio":
+        # below the first order statistic the type-6 quantile extrapolates toward 0, which leaves the negative side
+        # without a trust region until the next solve; the lowest ratio seen clips none of the solved tokens either
+        raw_lo = max(raw_lo, stats.lower_quantile(0.0))
     lo = min(max(_finite_or(raw_lo, prev_lo), lower_min), lower_max)
     if relax_only:
         lo = min(lo, 1.0 - eps_low)

@@ -70,7 +70,7 @@ class CalibratedClipper:
         sol = solve_bounds(
             reduced.fp8, self.targets, eps_low=self.eps_low, eps_high=self.eps_high, upper=c.upper,
             lower_min=c.lower_min, lower_max=c.lower_max, upper_min=c.upper_min, upper_max=c.upper_max,
-            relax_only=c.relax_only, previous=(self.lower, self.upper), quantile=quantile,
+            relax_only=c.relax_only, previous=(self.lower, self.upper), quantile=quantile, lower_floor=c.lower_floor,
         )
         s = c.smoothing if smooth and self.solved else 0.0
         self.lower = _f32(s * self.lower + (1.0 - s) * sol.lower)

@@ -89,6 +89,8 @@ class CalibrationConfig(StrictConfig):
     """histogram: upper edge of the binned log-ratio range."""
     lower_min: float = Field(0.05, gt=0, le=1, allow_inf_nan=False)
     """Clamp: smallest allowed calibrated lower bound L."""
+    lower_floor: Literal["lowest_ratio", "lower_min"] = "lowest_ratio"
+    """When the target alpha lies below the solve's first negative token (alpha = 0: the shadow clipped nothing), lowest_ratio sets L to the lowest FP8 negative ratio solved on (clips none of them, keeps the trust region as tight as the data allow); lower_min lets the extrapolated quantile fall to lower_min (no lower trust region until the next solve)."""
     lower_max: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     """Clamp: largest allowed calibrated lower bound L."""
     upper_min: float = Field(1.0, ge=1, allow_inf_nan=False)

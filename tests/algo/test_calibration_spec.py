@@ -145,3 +145,32 @@ def test_type6_quantile_covers_alpha_of_unseen_tokens():
         nxt.append(float((new < stats.predictive_lower_quantile(alpha)).float().mean()))
     assert np.mean(same) / alpha > 1.08  # (floor(6) + 1) / 121 = 0.0579
     assert abs(np.mean(nxt) / alpha - 1) < 0.04
+
+
+@pytest.mark.parametrize("backend", ["allgather", "histogram"])
+@pytest.mark.parametrize("floor", ["lowest_ratio", "lower_min"])
+def test_alpha_zero_keeps_a_lower_trust_region(backend, floor):
+    """A shadow that clipped nothing (alpha = 0): per_step's next-token quantile lies below every negative ratio.
+    lowest_ratio holds L at the lowest FP8 negative ratio (clips none of the solved tokens); lower_min lets it fall to
+    the clamp, leaving the negative side without a trust region until the next solve."""
+    g = torch.Generator().manual_seed(3)
+    n = 400
+    adv = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
+    r_hp = 1.0 + 0.02 * torch.randn(n, generator=g)  # nothing below 1 - eps_low: alpha = 0
+    r8 = r_hp * torch.exp(0.15 * torch.randn(n, generator=g))
+    cfg = CalibrationConfig(enabled=True, backend=backend, lower_floor=floor)
+    clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.28)
+    stats = clipper.new_stats(reference=True)
+    stats.add(r8, adv, ratio_hp=r_hp)
+    sol = clipper.solve(stats, smooth=False, quantile="next_tokens")
+    assert clipper.targets.alpha == 0.0
+    lowest = float(r8[adv < 0].min())
+    if floor == "lower_min":
+        assert sol.lower == pytest.approx(cfg.lower_min, rel=1e-6)  # float32
+    else:
+        bin_width = (cfg.hist_log_max - cfg.hist_log_min) / cfg.hist_bins
+        assert sol.lower == pytest.approx(lowest, rel=1e-6 if backend == "allgather" else 2 * bin_width)
+        assert sol.lower > cfg.lower_min
+        want = spec_solve(r8.numpy(), r_hp.numpy(), adv.numpy(), eps_low=0.2, eps_high=0.28, quantile="next_tokens")
+        if backend == "allgather":
+            assert (sol.lower, sol.upper) == (want.lower, want.upper)
