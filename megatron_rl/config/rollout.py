@@ -37,6 +37,26 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 """Hosts that name this machine (an engine there can map the trainer's shared memory / CUDA IPC handles)."""
 
 
+def _other_host_ip(host: str) -> bool:
+    """Whether `host` is an IP address literal of another host (not loopback, no interface of this one; a name may
+    still resolve to this host, so names are left to the sender's own check, rollout/sync/distributed.py)."""
+    import ipaddress
+    import socket
+
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if ip.is_loopback or ip.is_unspecified:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+        return False
+    except OSError:
+        return True
+
+
 class WeightSyncConfig(StrictConfig):
     """How new weights travel from the learner to the engines (rollout/sync/, one module per transport)."""
 
@@ -51,7 +71,7 @@ class WeightSyncConfig(StrictConfig):
     timeout_s: PositiveFloat = 300.0
     """Bound (seconds, > 0) of one weight-update request, the group rendezvous and each broadcast (engines get it too)."""
     master_address: Optional[str] = None
-    """Address engines reach a stage sender's group at (default: 127.0.0.1 if every engine is local, else this host's address)."""
+    """Address engines reach the stage sender on this address's host at (a sender on another host, e.g. stage 1 of a PP = 2 run across nodes, advertises its own); default: 127.0.0.1 if every engine is local, else the address of this host's interface that routes to the engines; loopback with a remote engine is an error."""
     master_port: int = Field(0, ge=0, le=65535)
     """Port (0-65535) of stage 0's weight-update group (stage k uses master_port + k); 0 = a free port per group."""
     group_name: str = "weight_update_group"
@@ -183,6 +203,14 @@ class RolloutConfig(StrictConfig):
                              "to start it with one worker)")
         if self.base_port + self.num_engines > 65535:
             raise ValueError("rollout.base_port must be 0 (free ports) or leave room for num_engines + 1 ports below 65536")
+        ws = self.weight_sync
+        if ws.transport == "distributed" and self.engine == "external" and ws.master_address is not None and (
+                ws.master_address in LOOPBACK_HOSTS or ws.master_address.startswith("127.")):
+            remote = [u for u in (self.weight_update_urls or self.urls) if _other_host_ip(urlparse(u).hostname or "")]
+            if remote:
+                raise ValueError(f"rollout.weight_sync.master_address={ws.master_address} is a loopback address, which "
+                                 f"engine {remote[0]} on another host cannot reach; set it to this host's address on the "
+                                 "engines' network or leave it unset")
         if self.weight_sync.transport == "tensor" and self.engine == "external":
             remote = [u for u in (self.weight_update_urls or self.urls) if (urlparse(u).hostname or "") not in LOOPBACK_HOSTS]
             if remote:

@@ -15,9 +15,21 @@ each tensor in `names` order from rank 0 (NCCL for a GPU learner and GPU engines
 side is on CPU, host copies of the bucket then, and float8 travels as its uint8 bytes). Stages send one after another, so no engine waits on one stage while another
 stage's broadcast waits on it. Groups are joined on the first sync and kept; `close()` sends
 /destroy_weights_update_group.
+
+The address a sender advertises (`sender_address`, resolved on the sender's own host when its transport
+is built, so before any sync): each stage's sender may run on another node (PP = 2 across nodes), so each
+one picks its own. `rollout.weight_sync.master_address` is used only by a sender on the host that owns
+that address (it resolves to one of this host's interfaces); a sender elsewhere advertises its own
+default: 127.0.0.1 when every engine is on this host, else the address of the interface that routes to
+the first remote engine (a UDP socket `connect()` selects it, no packet is sent; SGLang's
+`get_local_ip_by_remote`, python/sglang/srt/utils/network.py, finds its own address the same way), or the
+host name's address when there is no route. A loopback address (127.0.1.1 is what Debian-style hosts files
+give a host's own name) while an engine is on another host is refused with an error naming the field:
+that engine could never reach it and the sync would only wait out its timeout.
 """
 from __future__ import annotations
 
+import ipaddress
 import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -26,17 +38,103 @@ from urllib.parse import urlparse
 
 import torch
 
-from megatron_rl.config.rollout import LOOPBACK_HOSTS
 from megatron_rl.parallel import weight_group
 from megatron_rl.rollout.client import RolloutClient, RolloutServerError, run_sync
 from megatron_rl.rollout.sync.base import Bucket, WeightTransport, dtype_str
 
 
-def default_master_address(receiver_urls: Sequence[str]) -> str:
-    """127.0.0.1 when every engine runs on this host, else this host's address as its name resolves."""
-    if all((urlparse(u).hostname or "") in LOOPBACK_HOSTS for u in receiver_urls):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+MASTER_ADDRESS_FIELD = "rollout.weight_sync.master_address"
+
+
+class HostNetwork:
+    """What this host can tell about addresses (the facts `sender_address` decides on; tests inject another host's)."""
+
+    def resolve(self, host: str) -> str:
+        """The IP address `host` names here (OSError when it does not resolve)."""
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+
+    def is_local(self, address: str) -> bool:
+        """Whether `address` belongs to an interface of this host (a socket can bind to it)."""
+        try:
+            with socket.socket(_family(address), socket.SOCK_STREAM) as s:
+                s.bind((address, 0))
+            return True
+        except OSError:
+            return False
+
+    def route_source(self, address: str, port: int) -> Optional[str]:
+        """This host's address on the route to `address` (None without a route); connecting a UDP socket sends nothing."""
+        try:
+            with socket.socket(_family(address), socket.SOCK_DGRAM) as s:
+                s.connect((address, port))
+                return s.getsockname()[0]
+        except OSError:
+            return None
+
+    def hostname_address(self) -> str:
+        """This host's name as it resolves here (127.0.1.1 with a Debian-style hosts file)."""
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _family(address: str) -> int:
+    return socket.AF_INET6 if ":" in address else socket.AF_INET
+
+
+def is_loopback(address: str) -> bool:
+    """Whether an IP address only reaches this host (127.0.0.0/8, ::1; 0.0.0.0 and :: connect locally too)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
+def sender_address(receiver_urls: Sequence[str], master_address: Optional[str] = None,
+                   net: Optional[HostNetwork] = None) -> str:
+    """The address this host's stage sender advertises to the engines `receiver_urls` (see the module docstring).
+
+    ConfigError naming rollout.weight_sync.master_address when it would be a loopback address while an
+    engine is on another host, or when master_address does not resolve here.
+    """
+    from megatron_rl.config.run import ConfigError
+
+    net = net or HostNetwork()
+    remote: list[tuple[str, str, int]] = []  # (url, ip, port) of the engines on other hosts
+    for url in receiver_urls:
+        parsed = urlparse(url)
+        try:
+            ip = net.resolve(parsed.hostname or "")
+        except OSError as exc:
+            raise ValueError(f"weight sync: engine {url}: its host does not resolve here ({exc})") from None
+        if not (is_loopback(ip) or net.is_local(ip)):
+            remote.append((url, ip, parsed.port or (443 if parsed.scheme == "https" else 80)))
+    chosen = None
+    if master_address:
+        try:
+            ip = net.resolve(master_address)
+        except OSError as exc:
+            raise ConfigError(f"{MASTER_ADDRESS_FIELD}={master_address!r} does not resolve on this host ({exc})") from None
+        if is_loopback(ip) or net.is_local(ip):
+            chosen = (master_address, ip)
+        # else it is another stage's host: this sender advertises its own address below
+    if chosen is None:
+        if not remote:
+            chosen = ("127.0.0.1", "127.0.0.1")
+        else:
+            address = net.route_source(remote[0][1], remote[0][2])
+            if address is None:
+                try:
+                    address = net.hostname_address()
+                except OSError:
+                    address = "127.0.0.1"
+            chosen = (address, address)
+    if remote and is_loopback(chosen[1]):
+        how = (f"{MASTER_ADDRESS_FIELD}={master_address}" if chosen[0] == master_address
+               else f"there is no route to that engine here and this host's name gives {chosen[1]}")
+        raise ConfigError(f"{MASTER_ADDRESS_FIELD}: the weight-update group would be advertised at the loopback "
+                          f"address {chosen[1]} ({how}), which engine {remote[0][0]} on another host cannot reach; "
+                          f"set {MASTER_ADDRESS_FIELD} to this host's address on the engines' network")
+    return chosen[0]
 
 
 def init_group_body(master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
@@ -74,7 +172,8 @@ class DistributedWeightSync(WeightTransport):
                  client: Optional[RolloutClient] = None, api_key: Optional[str] = None) -> None:
         """`receiver_urls` are the engines (never a router)."""
         super().__init__(receiver_urls, bucket_mb, timeout_s, pause_mode, client, api_key)
-        self.master_address = master_address or default_master_address(self.urls)
+        self.configured_address = master_address
+        self.master_address = sender_address(self.urls, master_address)
         self.master_port = master_port
         self.base_group_name = group_name
         self.group = None
@@ -165,6 +264,7 @@ class DistributedWeightSync(WeightTransport):
         """New targets: leave the current group (its members changed), join a new one at the next bucket."""
         self._leave()
         super().set_worker_urls(urls)
+        self.master_address = sender_address(self.urls, self.configured_address)
 
     def _leave(self) -> None:
         """Live engines leave the group, then this rank destroys it."""
