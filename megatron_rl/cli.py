@@ -27,10 +27,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, applied in order")
 
 
-def _load(args, check_layout: bool = True):
+def _load(args, check_layout: bool = True, check_device: bool = True):
     from megatron_rl.config import load_config
 
-    return load_config(args.config, args.overrides, check_layout=check_layout)
+    return load_config(args.config, args.overrides, check_layout=check_layout, check_device=check_device)
 
 
 def cmd_train(args) -> int:
@@ -108,10 +108,11 @@ def cmd_engines(args) -> int:
         return 2
     try:
         if args.dry_run:
-            for line in dry_run(_load(args), model_path=args.model_path, gpus=args.gpus):
+            # the learner's recipe is the learner nodes' business (checked by train); engine nodes check their own
+            for line in dry_run(_load(args, check_device=False), model_path=args.model_path, gpus=args.gpus):
                 print(json.dumps(line), flush=True)
             return 0
-        return serve_engines(_load(args), model_path=args.model_path, urls_file=args.urls_file)
+        return serve_engines(_load(args, check_device=False), model_path=args.model_path, urls_file=args.urls_file)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -155,7 +156,8 @@ def cmd_plan(args) -> int:
     """Check a config's layout against an allocation and estimate memory, traffic and step time (megatron_rl/plan)."""
     from megatron_rl.plan.report import run
 
-    return run(_load(args, check_layout=False), args, title=args.config or "")  # plan names each layout problem by code
+    # plan names each layout problem by code, and checks the recipe against --gpu rather than this machine
+    return run(_load(args, check_layout=False, check_device=False), args, title=args.config or "")
 
 
 def cmd_study(args) -> int:

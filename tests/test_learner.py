@@ -249,11 +249,12 @@ def test_te_environment_checked_only_on_gpu_with_fp8(learner, monkeypatch):
     from megatron_rl.trainer.learner import check_precision_environment
 
     assert "transformer_engine" not in sys.modules
-    seen = []
+    seen, asked = [], []
     monkeypatch.setattr(te, "check_te_environment", seen.append)
+    monkeypatch.setattr(te, "check_te_recipe_support", asked.append)  # TE's own check_recipe_support, on the GPU
     blockwise, none = PrecisionConfig(recipe="blockwise"), PrecisionConfig()
     check_precision_environment(blockwise, on_gpu=False)
     check_precision_environment(none, on_gpu=True)
-    assert seen == []
+    assert seen == asked == []
     check_precision_environment(blockwise, on_gpu=True)
-    assert seen == [blockwise]
+    assert seen == asked == [blockwise]

@@ -39,7 +39,8 @@ def test_shipped_configs_pass_for_their_stated_allocation(name):
 
 
 def _plan(overrides=(), config="qwen3_8b_fp8_grpo.yaml", nodes=2, gpus=8, gpu="h100", engine_nodes=1):
-    return make_plan(load_config(CONFIGS / config, list(overrides), check_layout=False), nodes, gpus, gpu, PlanOptions(engine_nodes=engine_nodes))
+    return make_plan(load_config(CONFIGS / config, list(overrides), check_layout=False, check_device=False), nodes, gpus, gpu,
+                     PlanOptions(engine_nodes=engine_nodes))
 
 
 # colocated engines are this host's (the tensor transport's handles open nowhere else)
@@ -71,6 +72,7 @@ BROKEN = {
     "kv-cache-below-one-sequence": dict(overrides=["rollout.mem_fraction_static=0.12"]),
     "colocated-out-of-memory": dict(overrides=COLOCATED, nodes=1),
     "colocated-multi-node": dict(overrides=[*COLOCATED, "rollout.mem_fraction_static=0.3"], nodes=2),
+    "recipe-unsupported-by-gpu": dict(overrides=["precision.recipe=mxfp8"], gpu="h200"),
 }
 WARNINGS = {
     "engine-gpus-idle": dict(overrides=["rollout.num_engines=7"]),
@@ -107,6 +109,39 @@ def test_cli_exit_status_json_and_report(capsys):
     assert main(["plan", config, "--nodes", "2", "--engine-nodes", "2"]) == 2  # both nodes to engines: none left
     out = capsys.readouterr().out
     assert "Korthikanti" in out and "Kaplan" in out and "result: OK" in out
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4", "mxfp4"])
+def test_recipe_against_each_gpus_compute_capability(recipe):
+    """plan --gpu knows H100/H200 are compute capability 9.0 and B200 10.0, and applies TE's rules to precision.recipe."""
+    from megatron_rl.plan.hardware import DEVICES
+
+    assert {g: DEVICES[g].compute_capability for g in ("h100", "h200", "b200")} == {"h100": (9, 0), "h200": (9, 0),
+                                                                                    "b200": (10, 0)}
+    for gpu in ("h100", "h200", "b200"):
+        plan = _plan([f"precision.recipe={recipe}"], gpu=gpu)
+        blackwell_only = recipe in ("mxfp8", "nvfp4")
+        refused = recipe == "mxfp4" or (blackwell_only and gpu != "b200")
+        assert ("recipe-unsupported-by-gpu" in plan.codes("error")) == refused, (gpu, plan.findings)
+        if refused:
+            message = next(f.message for f in plan.findings if f.code == "recipe-unsupported-by-gpu")
+            assert f"precision.recipe={recipe}" in message and gpu in message
+            cc = "9.0" if gpu != "b200" else "10.0"
+            assert f"has {cc}" in message or f"compute capability {cc}" in message, message
+            if blackwell_only:
+                assert "10.0" in message and "9.0" in message
+
+
+def test_cli_refuses_mxfp8_on_hopper_and_names_the_field(capsys):
+    config = str(CONFIGS / "qwen3_8b_fp8_grpo.yaml")
+    assert main(["plan", config, "precision.recipe=mxfp8", "--nodes", "2", "--gpu", "h200"]) == 2
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "recipe-unsupported-by-gpu" in ln)
+    assert "precision.recipe=mxfp8" in line and "compute capability 10.0" in line and "9.0" in line
+    assert "h200 (compute capability 9.0)" in out and "FAILED: recipe-unsupported-by-gpu" in out
+    assert main(["plan", config, "precision.recipe=mxfp8", "--nodes", "2", "--gpu", "b200"]) == 0
+    out = capsys.readouterr().out
+    assert "recipe-unsupported-by-gpu" not in out and "b200 (compute capability 10.0)" in out and "result: OK" in out
 
 
 def test_parameter_counts_match_the_architecture_formula():

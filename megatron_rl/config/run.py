@@ -237,11 +237,14 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return _deep_merge(_read_yaml(path.parent / base, seen + (path.resolve(),)), loaded)
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = (), check_layout: bool = True) -> RunConfig:
+def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = (), check_layout: bool = True,
+                check_device: bool = True, device_facts=None) -> RunConfig:
     """Build a RunConfig from an optional YAML file and dotted overrides (applied in order).
 
     `check_layout=False` accepts a TP/PP layout that does not split the model (for `megatron-rl plan`, which
-    reports every problem of a layout by its code); everything else is checked.
+    reports every problem of a layout by its code); everything else is checked. `check_device` also refuses
+    what this machine's device cannot run (`device_errors`; `device_facts` default: this process's, detected
+    once): `plan` checks against its --gpu instead, and `engines` nodes do not run the learner.
     """
     tree: dict[str, Any] = {}
     source = "defaults"
@@ -255,9 +258,26 @@ def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()
     if overrides:
         source += " + overrides"
     try:
-        return RunConfig.model_validate(tree, context={"check_layout": check_layout})
+        cfg = RunConfig.model_validate(tree, context={"check_layout": check_layout})
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, source)) from None
+    if check_device:
+        errors = device_errors(cfg, device_facts)
+        if errors:
+            raise ConfigError(f"{source}: " + "; ".join(errors))
+    return cfg
+
+
+def device_errors(cfg: RunConfig, facts=None) -> list[str]:
+    """What the device `facts` describes (default: this process's, detected once) cannot run of `cfg`, each naming its field.
+
+    Detection (which imports torch) happens only for configs whose validity depends on the device.
+    """
+    from megatron_rl.precision import device
+
+    if cfg.precision.recipe == "none":
+        return []
+    return device.learner_device_errors(cfg.precision, facts if facts is not None else device.detect_device_facts())
 
 
 SECRET_FIELDS = (("rollout", "api_key"),)

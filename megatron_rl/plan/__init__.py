@@ -170,6 +170,7 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     r, p, t, prec = cfg.rollout, cfg.parallel, cfg.train, cfg.precision
     findings = checks.architecture_checks(arch, lay.tp, lay.pp, lay.vpp)
     findings += checks.fp8_alignment_checks(arch, lay.tp, prec.recipe)
+    findings += checks.recipe_device_checks(prec.recipe, device.name, device.compute_capability)
     findings += checks.allocation_checks(nodes=nodes, gpus_per_node=gpus_per_node,
                                          engine_gpus_per_node=lay.engine_gpus // max(lay.engine_nodes, 1),
                                          engine_tp=r.engine_tp_size, engine_nodes=lay.engine_nodes,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from megatron_rl.models.presets import Architecture
 
@@ -29,6 +29,7 @@ CODES = {
     "batch-does-not-split": "samples per step % (DP x num_minibatches x micro_batch_size) != 0",
     "sequence-exceeds-max-seq-len": "prompt + response, padded, exceeds model.max_seq_len",
     "fp8-gemm-misaligned": "an FP8 GEMM dimension per TP rank is not a multiple of 16 (32 for MXFP8)",
+    "recipe-unsupported-by-gpu": "the GPU's compute capability cannot run precision.recipe (Transformer Engine's support checks)",
     "learner-out-of-memory": "the learner's peak memory exceeds the GPU",
     "engine-weights-exceed-pool": "the served weights do not fit mem_fraction_static of an engine GPU",
     "kv-cache-below-one-sequence": "the KV cache cannot hold one full-length sequence",
@@ -91,6 +92,16 @@ def fp8_alignment_checks(arch: Architecture, tp: int, recipe: str) -> list[Findi
         return []
     return [Finding("fp8-gemm-misaligned", "error",
                     f"precision.recipe={recipe} needs GEMM dims divisible by {align}; not: {bad} (TP={tp})")]
+
+
+def recipe_device_checks(recipe: str, device_name: str, capability: Optional[tuple[int, int]]) -> list[Finding]:
+    """precision.recipe against the GPU's compute capability, by Transformer Engine's rules (precision/device.py)."""
+    from megatron_rl.precision.device import recipe_capability_error
+
+    if capability is None:  # the nominal CPU device: every recipe is emulated
+        return []
+    error = recipe_capability_error(recipe, capability)
+    return [Finding("recipe-unsupported-by-gpu", "error", f"{error} ({device_name})")] if error else []
 
 
 def allocation_checks(*, nodes: int, gpus_per_node: int, engine_gpus_per_node: int, engine_tp: int, engine_nodes: int,

@@ -8,6 +8,7 @@ DGX/HGX H100, H200 and B200 systems. `cpu` is a nominal device for the miniature
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 GIB = 1024**3
 """Bytes per GiB."""
@@ -33,6 +34,8 @@ class DeviceSpec:
     """Inter-node bandwidth per GPU, bytes/s (one direction)."""
     source: str
     """Where the numbers come from."""
+    compute_capability: Optional[tuple[int, int]] = None
+    """CUDA compute capability (major, minor); None for the nominal CPU device (CUDA's table of GPU capabilities)."""
 
 
 _NDR = 400e9 / 8  # one 400 Gb/s NDR InfiniBand NIC per GPU
@@ -42,13 +45,14 @@ DEVICES: dict[str, DeviceSpec] = {
     for d in (
         DeviceSpec("h100", 80 * 10**9, 989e12, 1979e12, 3.35e12, 450e9, _NDR,
                    "NVIDIA H100 Tensor Core GPU datasheet, SXM5: 80 GB HBM3, 3.35 TB/s, BF16 989 TFLOPS and FP8 "
-                   "1979 TFLOPS dense (half the with-sparsity figures), NVLink 900 GB/s bidirectional"),
+                   "1979 TFLOPS dense (half the with-sparsity figures), NVLink 900 GB/s bidirectional", (9, 0)),
         DeviceSpec("h200", 141 * 10**9, 989e12, 1979e12, 4.8e12, 450e9, _NDR,
                    "NVIDIA H200 Tensor Core GPU datasheet, SXM: 141 GB HBM3e, 4.8 TB/s, same Tensor Core peaks as "
-                   "H100 SXM, NVLink 900 GB/s bidirectional"),
+                   "H100 SXM, NVLink 900 GB/s bidirectional", (9, 0)),
         DeviceSpec("b200", 180 * 10**9, 2.25e15, 4.5e15, 8.0e12, 900e9, _NDR,
                    "NVIDIA HGX B200 datasheet, per GPU (8-GPU board figures / 8): 1.44 TB HBM3e -> 180 GB, 64 TB/s -> "
-                   "8 TB/s, FP8 72 PFLOPS sparse -> 4.5 PFLOPS dense, BF16 2.25 PFLOPS dense, NVLink 1.8 TB/s bidirectional"),
+                   "8 TB/s, FP8 72 PFLOPS sparse -> 4.5 PFLOPS dense, BF16 2.25 PFLOPS dense, NVLink 1.8 TB/s bidirectional",
+                   (10, 0)),
         DeviceSpec("cpu", 24 * GIB, 50e9, 50e9, 20e9, 5e9, 5e9,
                    "nominal 2-core CPU box for the miniature scaling study (fp32 ~50 GFLOP/s, 20 GB/s memory): "
                    "stated assumptions, not measured"),

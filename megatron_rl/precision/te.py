@@ -102,6 +102,33 @@ def check_te_environment(cfg: PrecisionConfig) -> None:
             "before Python starts (see megatron_rl.precision.te.launcher_env)")
 
 
+def check_te_recipe_support(cfg: PrecisionConfig) -> None:
+    """Ask Transformer Engine itself whether this GPU runs cfg's recipe; RuntimeError naming precision.recipe if not.
+
+    TE 2.20's `check_recipe_support` (transformer_engine/pytorch/quantization.py) covers the FP8 recipes and
+    leaves NVFP4 out, so NVFP4 goes through its `check_nvfp4_support`; TE < 2.8 kept both in pytorch/fp8.py.
+    """
+    if cfg.recipe == "none":
+        return
+    try:
+        from transformer_engine.pytorch.quantization import check_nvfp4_support, check_recipe_support
+    except ImportError:
+        from transformer_engine.pytorch.fp8 import check_nvfp4_support, check_recipe_support
+    if cfg.fp4_enabled:
+        if cfg.recipe == "mxfp4":
+            transformer_config_kwargs(cfg)  # raises: no GPU recipe
+        supported, reason = check_nvfp4_support()
+    else:
+        supported, reason = True, ""
+        try:
+            check_recipe_support(te_recipe(cfg))
+        except RuntimeError as exc:
+            supported, reason = False, str(exc)
+    if not supported:
+        raise RuntimeError(f"precision.recipe={cfg.recipe}: Transformer Engine says this GPU (compute capability "
+                           f"{'.'.join(map(str, torch.cuda.get_device_capability()))}) cannot run it: {reason}")
+
+
 def _check_te_nvfp4(cfg: PrecisionConfig) -> None:
     """nvfp4 needs TE >= 2.8 (NVFP4BlockScaling) on a Blackwell GPU, with its RHT / SR defaults matching cfg."""
     if cfg.recipe == "mxfp4":

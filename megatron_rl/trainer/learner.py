@@ -78,6 +78,7 @@ def check_precision_environment(precision_cfg: PrecisionConfig, on_gpu: bool) ->
     from megatron_rl.precision import te
 
     te.check_te_environment(precision_cfg)
+    te.check_te_recipe_support(precision_cfg)
 
 
 class Learner:

@@ -226,3 +226,35 @@ def test_transformer_config_builds_for_every_recipe(precision):
     else:
         assert (tc.fp8, tc.fp8_recipe) == (precision.fp8_format, precision.recipe)
     assert tc.first_last_layers_bf16 == (precision.first_last_layers_high_precision > 0)
+
+
+# ------------------------------------------------------------------------------------------------ (h) capability
+def _te_support_functions(te_root: Path) -> dict:
+    """TE's own `_compute_*_support` functions, executed against a stated device (no CUDA: their inputs are stubbed)."""
+    source = (te_root / "transformer_engine" / "pytorch" / "quantization.py").read_text()
+    tree = ast.parse(source)
+    wanted = {"_compute_fp8_support": "fp8", "_compute_fp8_block_scaling_support": "blockwise",
+              "_compute_mxfp8_support": "mxfp8", "_compute_nvfp4_support": "nvfp4"}
+    funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    assert {f.name for f in funcs} == set(wanted), "the pinned TE decides support in these functions"
+    return {wanted[f.name]: ast.unparse(f) for f in funcs}
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)])
+def test_recipe_capability_rules_match_the_pinned_te(te_root, capability):
+    """precision/device.py's table = what TE's support checks answer on that GPU (with CUDA 12.9, a new cuBLASLt)."""
+    import types
+
+    from megatron_rl.precision.device import recipe_capability_error
+
+    namespace = {"get_device_compute_capability": lambda: capability, "Tuple": tuple,
+                 "torch": types.SimpleNamespace(version=types.SimpleNamespace(cuda="12.9")),
+                 "tex": types.SimpleNamespace(get_cublasLt_version=lambda: 130000)}
+    te_says = {}
+    for key, code in _te_support_functions(te_root).items():
+        exec(code, namespace)  # noqa: S102 - TE's own function, run with stubbed device queries
+        te_says[key] = namespace[code.split("(")[0].split()[-1]]()[0]
+    for recipe, te_key in (("delayed", "fp8"), ("tensorwise", "fp8"), ("blockwise", "blockwise"), ("mxfp8", "mxfp8"),
+                           ("nvfp4", "nvfp4")):
+        assert (recipe_capability_error(recipe, capability) is None) == te_says[te_key], (recipe, capability, te_says)
+    assert recipe_capability_error("mxfp4", capability) is not None  # no TE recipe at all
