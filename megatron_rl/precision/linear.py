@@ -60,16 +60,14 @@ class ModuleQuantizer:
                 local = nx.tensor_amax(x) if amax is None else amax
                 amax = local.reshape(1).clone()
                 torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_group)
-            return self.delayed[role].quantize(x, update=update, amax=amax).dequantize(torch.float32)
-        return nx.quantize_current(x, fmt, amax=amax).dequantize(torch.float32)
+            return self.delayed[role].fake_quantize(x, update=update, amax=amax)
+        return nx.fake_quantize_current(x, fmt, amax=amax)
 
     def _blocks(self, x: torch.Tensor, block: Block, fmt: nx.Fp8Format) -> torch.Tensor:
         """Dequantized block-scaled quantization (blockwise or mxfp8)."""
         if self.recipe == "mxfp8":
-            q = nx.quantize_mxfp8(x, fmt, block)
-        else:
-            q = nx.quantize_blockwise_te(x, block, fmt, power_of_two=self.power_of_two)
-        return q.dequantize(torch.float32)
+            return nx.fake_quantize_mxfp8(x, fmt, block)
+        return nx.fake_quantize_blockwise_te(x, block, fmt, power_of_two=self.power_of_two)
 
     def _block_len(self) -> int:
         """1-D block length of the recipe (128 blockwise, 32 MXFP8)."""

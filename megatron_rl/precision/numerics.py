@@ -50,6 +50,43 @@ def cast_to_fp8(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return torch.clamp(x.float(), -m, m).to(_DTYPES[fmt])
 
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """x as float32 (x itself when it already is: no dispatch on the hot path)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
+_GRIDS = {"e4m3": (3, -6), "e5m2": (2, -14)}
+"""(mantissa bits, exponent of the smallest normal) of each FP8 format."""
+_NATIVE_CAST_BELOW = 4096
+"""Tensors with fewer elements round through torch's FP8 cast (fewer ops); larger ones through
+fp32 arithmetic, which vectorizes where torch's FP8-to-fp32 conversion runs element by element."""
+
+
+def round_to_fp8(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """fp32 values of cast_to_fp8(x, fmt) (saturating RNE onto the FP8 grid), as a new fp32 tensor.
+
+    From _NATIVE_CAST_BELOW elements on without materialising FP8: with C = 2^(e + 23 - mbits) for
+    the binade 2^e of |x| (e floored at the format's smallest normal exponent, where the grid step
+    stays that of the subnormals), |x| + C rounds (IEEE RNE) to the FP8 step of that binade, ties to
+    the even code, and (|x| + C) - C is exact; the sign is copied back. Same values as the cast, NaN
+    included (tests/precision/test_quantizer_speedup.py).
+    """
+    return _round_to_fp8_(x if x.numel() >= _NATIVE_CAST_BELOW else x.clone(), fmt)
+
+
+def _round_to_fp8_(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """round_to_fp8 of an fp32 temporary, which it may overwrite (the callers' products)."""
+    m = _MAXES[fmt]
+    if y.numel() < _NATIVE_CAST_BELOW:
+        return y.clamp_(-m, m).to(_DTYPES[fmt]).float()
+    mbits, emin = _GRIDS[fmt]
+    a = y.abs().clamp_(max=m)
+    # the binade's exponent field, kept in [smallest normal, max's] so a NaN's cannot overflow
+    lo, hi = (emin + 127) << 23, (math.frexp(m)[1] - 1 + 127) << 23
+    c = (a.view(torch.int32) & 0x7F800000).clamp_(lo, hi).add_((23 - mbits) << 23).view(torch.float32)
+    return a.add_(c).sub_(c).copysign_(y)
+
+
 def te_scale_from_amax(
     amax: torch.Tensor, max_fp8: float, power_of_two: bool = False, eps: float = 0.0
 ) -> torch.Tensor:
@@ -58,15 +95,14 @@ def te_scale_from_amax(
     amax is floored at eps; amax 0, inf or NaN gives scale 1; an fp32-overflowing scale becomes
     FLT_MAX; power_of_two rounds the scale DOWN to a power of two by keeping sign and exponent bits.
     """
-    amax = amax.float()
-    amax = torch.where(amax < eps, torch.full_like(amax, eps), amax)
-    bad = torch.isinf(amax) | torch.isnan(amax) | (amax == 0)
-    scale = torch.tensor(max_fp8, dtype=torch.float32) / torch.where(bad, torch.ones_like(amax), amax)
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
-    scale = torch.where(bad, torch.ones_like(scale), scale)
+    amax = torch.clamp(amax.float(), min=eps)  # a new tensor; NaN stays NaN
+    # amax 0 divides as inf does, so that exactly the amaxes 0, +-inf and NaN give a quotient of 0 or NaN
+    # (fp8_max over a finite amax is never 0); fp32 division as TE's
+    scale = torch.full_like(amax, max_fp8) / amax.masked_fill_(amax == 0, math.inf)
+    scale = torch.nan_to_num_(scale, nan=0.0, posinf=FP32_MAX, neginf=FP32_MAX)
+    scale = scale.masked_fill_(scale == 0, 1.0)
     if power_of_two:
-        bits = scale.view(torch.int32) & torch.tensor(0xFF800000 - (1 << 32), dtype=torch.int32)
-        scale = bits.view(torch.float32)
+        scale = (scale.view(torch.int32) & (0xFF800000 - (1 << 32))).view(torch.float32)
     return scale
 
 
@@ -87,8 +123,12 @@ class QuantizedTensor:
         """q * scale_inv in fp32 (then cast to dtype), with the original shape."""
         q = self.data.float()
         rows, cols = q.shape
-        s = _expand_blocks(self.scale_inv, self.block, rows, cols)
-        return (q * s).reshape(self.shape).to(dtype)
+        block = _fit(self.block, rows, cols)
+        if _tiles(rows, cols, block) and self.scale_inv.numel() == (rows // block[0]) * (cols // block[1]):
+            out = (_blocked(q, block) * _per_block_view(self.scale_inv, rows, cols, block)).reshape(rows, cols)
+        else:
+            out = q * _expand_blocks(self.scale_inv, self.block, rows, cols)
+        return out.reshape(self.shape).to(dtype)
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -107,47 +147,108 @@ def _expand_blocks(per_block: torch.Tensor, block: tuple[int, int], rows: int, c
     return full[:rows, :cols]
 
 
+def _fit(block: tuple[int, int], rows: int, cols: int) -> tuple[int, int]:
+    """The block cut down to a dimension it alone covers: the same blocks (zero padding never wins an amax), often no ragged edge."""
+    return min(block[0], rows) or block[0], min(block[1], cols) or block[1]
+
+
+def _tiles(rows: int, cols: int, block: tuple[int, int]) -> bool:
+    """Whether (br x bc) blocks tile a non-empty rows x cols tensor exactly (no ragged edge)."""
+    return rows > 0 and cols > 0 and rows % block[0] == 0 and cols % block[1] == 0
+
+
+def _blocked(x2d: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A tiled 2-D tensor as [row blocks, br, col blocks, bc]: per-block values then broadcast instead of being expanded."""
+    rows, cols = x2d.shape
+    return x2d.reshape(rows // block[0], block[0], cols // block[1], block[1])
+
+
+def _per_block_view(per_block: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """Per-block values [nr, nc] shaped [nr, 1, nc, 1] to broadcast against _blocked(x2d)."""
+    return per_block.reshape(rows // block[0], 1, cols // block[1], 1)
+
+
 def block_amax(x2d: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """Per-block max |x| of a 2-D fp32 tensor; ragged edges are zero-padded (padding never wins)."""
-    br, bc = block
     rows, cols = x2d.shape
+    br, bc = _fit(block, rows, cols)
     pr, pc = -rows % br, -cols % bc
-    a = torch.nn.functional.pad(_abs_no_nan(x2d), (0, pc, 0, pr))
+    a = _abs_no_nan(x2d)
+    if pr or pc:
+        a = torch.nn.functional.pad(a, (0, pc, 0, pr))
     nr, nc = a.shape[0] // br, a.shape[1] // bc
     return a.reshape(nr, br, nc, bc).amax(dim=(1, 3))
 
 
 def _abs_no_nan(x: torch.Tensor) -> torch.Tensor:
     """|x| in fp32 with NaN read as 0: TE's amax kernels use fmaxf, which skips NaN operands."""
-    a = x.float().abs()
-    return torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    # abs always allocates, so the NaN replacement may work in place; +-inf must stay inf
+    return _f32(x).abs().nan_to_num_(nan=0.0, posinf=math.inf)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """Max |x| over the whole tensor as TE computes it (NaN ignored, 0 for empty tensors)."""
-    return _abs_no_nan(x).amax() if x.numel() else torch.zeros(())
+    return _abs_no_nan(x).amax() if x.numel() else torch.zeros((), device=x.device)
+
+
+def _block_scales(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """fp32 scales as [row blocks, col blocks] (an empty tensor keeps its one per-tensor scale as given)."""
+    n_blocks = (-(-rows // block[0]), -(-cols // block[1]))
+    scale = scale.float()
+    if scale.numel() == n_blocks[0] * n_blocks[1]:
+        scale = scale.reshape(n_blocks)
+    return scale
+
+
+def _fake_with_scale(x2d: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                     fmt: Fp8Format) -> torch.Tensor:
+    """fp32 round_to_fp8(x2d * scale) * scale_inv per block: quantize_with_scale(...).dequantize() without the FP8 payload."""
+    rows, cols = x2d.shape
+    block = _fit(block, rows, cols)
+    if block == (rows, cols):  # one scale [1, 1] broadcasts as it is
+        return _round_to_fp8_(x2d * scale, fmt).mul_(scale_inv)
+    if _tiles(rows, cols, block):
+        q = _round_to_fp8_(_blocked(x2d, block) * _per_block_view(scale, rows, cols, block), fmt)
+        return q.mul_(_per_block_view(scale_inv, rows, cols, block)).reshape(rows, cols)
+    q = _round_to_fp8_(x2d * _expand_blocks(scale, block, rows, cols), fmt)
+    return q.mul_(_expand_blocks(scale_inv, block, rows, cols))
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], fmt: Fp8Format) -> QuantizedTensor:
     """TE-convention quantization with given per-block fp32 scales: q = cast(x * scale), scale_inv = 1/scale."""
     x2d = _as_2d(x).float()
     rows, cols = x2d.shape
-    n_blocks = (-(-rows // block[0]), -(-cols // block[1]))
-    scale = scale.float()
-    if scale.numel() == n_blocks[0] * n_blocks[1]:  # else an empty tensor with its one per-tensor scale
-        scale = scale.reshape(n_blocks)
-    q = cast_to_fp8(x2d * _expand_blocks(scale, block, rows, cols), fmt)
+    scale = _block_scales(scale, rows, cols, block)
+    fit = _fit(block, rows, cols)
+    if _tiles(rows, cols, fit):
+        y = _blocked(x2d, fit) * _per_block_view(scale, rows, cols, fit)
+        q = cast_to_fp8(y.reshape(rows, cols), fmt)
+    else:
+        q = cast_to_fp8(x2d * _expand_blocks(scale, block, rows, cols), fmt)
     return QuantizedTensor(q, torch.reciprocal(scale), block, x.shape)
+
+
+def _current_scale(x2d: torch.Tensor, fmt: Fp8Format, power_of_two: bool, eps: float, amax: Optional[torch.Tensor]) -> torch.Tensor:
+    """[1, 1] per-tensor current-scaling scale of x2d (or of the given amax)."""
+    if amax is None:
+        amax = tensor_amax(x2d)
+    return te_scale_from_amax(amax.reshape(1, 1), fp8_max(fmt), power_of_two, eps)
 
 
 def quantize_current(x: torch.Tensor, fmt: Fp8Format = "e4m3", power_of_two: bool = False, eps: float = 0.0,
                      amax: Optional[torch.Tensor] = None) -> QuantizedTensor:
     """Per-tensor current scaling (TE Float8CurrentScaling); `amax` overrides the local amax (TP reduction)."""
     x2d = _as_2d(x)
-    if amax is None:
-        amax = tensor_amax(x2d)
-    scale = te_scale_from_amax(amax.reshape(1, 1), fp8_max(fmt), power_of_two, eps)
+    scale = _current_scale(x2d, fmt, power_of_two, eps, amax)
     return quantize_with_scale(x, scale, _whole(x2d), fmt)
+
+
+def fake_quantize_current(x: torch.Tensor, fmt: Fp8Format = "e4m3", power_of_two: bool = False, eps: float = 0.0,
+                          amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """quantize_current(x, ...).dequantize(torch.float32), computed without the FP8 payload (same bits)."""
+    x2d = _f32(_as_2d(x))
+    scale = _current_scale(x2d, fmt, power_of_two, eps, amax)
+    return _fake_with_scale(x2d, scale, torch.reciprocal(scale), _whole(x2d), fmt).reshape(x.shape)
 
 
 def _whole(x2d: torch.Tensor) -> tuple[int, int]:
@@ -166,6 +267,15 @@ def quantize_blockwise_te(x: torch.Tensor, block: tuple[int, int], fmt: Fp8Forma
     x2d = _as_2d(x)
     scale = te_scale_from_amax(block_amax(x2d, block), fp8_max(fmt), power_of_two, eps)
     return quantize_with_scale(x, scale, block, fmt)
+
+
+def fake_quantize_blockwise_te(x: torch.Tensor, block: tuple[int, int], fmt: Fp8Format = "e4m3",
+                               power_of_two: bool = True, eps: float = 0.0) -> torch.Tensor:
+    """quantize_blockwise_te(x, ...).dequantize(torch.float32), computed without the FP8 payload (same bits)."""
+    x2d = _f32(_as_2d(x))
+    rows, cols = x2d.shape
+    scale = _block_scales(te_scale_from_amax(block_amax(x2d, block), fp8_max(fmt), power_of_two, eps), rows, cols, block)
+    return _fake_with_scale(x2d, scale, torch.reciprocal(scale), block, fmt).reshape(x.shape)
 
 
 def float_to_e8m0(v: torch.Tensor) -> torch.Tensor:
@@ -191,15 +301,29 @@ def e8m0_to_scale(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 0xFF, torch.full_like(scale, float("nan")), scale)
 
 
+def _mxfp8_exponents(x2d: torch.Tensor, fmt: Fp8Format, block: tuple[int, int]) -> torch.Tensor:
+    """Biased E8M0 exponent per block: float_to_e8m0(amax * fp32(1/fp8_max))."""
+    rcp = torch.tensor(1.0 / fp8_max(fmt), dtype=torch.float32)
+    return float_to_e8m0(block_amax(x2d, block) * rcp)
+
+
 def quantize_mxfp8(x: torch.Tensor, fmt: Fp8Format = "e4m3", block: tuple[int, int] = (1, 32)) -> QuantizedTensor:
     """MXFP8: per 1x32 block (32x1 for the column-wise copy) e = float_to_e8m0(amax * fp32(1/fp8_max)), q = cast(x * 2^(127-e))."""
-    x2d = _as_2d(x)
-    rcp = torch.tensor(1.0 / fp8_max(fmt), dtype=torch.float32)
-    e = float_to_e8m0(block_amax(x2d, block) * rcp)
+    e = _mxfp8_exponents(_as_2d(x), fmt, block)
     q = quantize_with_scale(x, e8m0_to_scale(e), block, fmt)
     # scale_inv = 2^(e - 127) exactly (1/2^(127-e) is exact for every e TE produces but 255).
     q.scale_inv = torch.exp2((e - 127).float())
     return q
+
+
+def fake_quantize_mxfp8(x: torch.Tensor, fmt: Fp8Format = "e4m3", block: tuple[int, int] = (1, 32)) -> torch.Tensor:
+    """quantize_mxfp8(x, ...).dequantize(torch.float32), computed without the FP8 payload (same bits)."""
+    x2d = _f32(_as_2d(x))
+    rows, cols = x2d.shape
+    e = _mxfp8_exponents(x2d, fmt, block)
+    scale = _block_scales(e8m0_to_scale(e), rows, cols, block)
+    scale_inv = _block_scales(torch.exp2((e - 127).float()), rows, cols, block)
+    return _fake_with_scale(x2d, scale, scale_inv, block, fmt).reshape(x.shape)
 
 
 def fake_quantize(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
@@ -237,6 +361,17 @@ class DelayedScaler:
                 amax = tensor_amax(x2d)
             self.update(float(amax))
         return q
+
+    def fake_quantize(self, x: torch.Tensor, update: bool = True, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """quantize(x, update, amax).dequantize(torch.float32), computed without the FP8 payload (same bits, same update)."""
+        x2d = _f32(_as_2d(x))
+        scale = self.scale.reshape(1, 1)
+        out = _fake_with_scale(x2d, scale, torch.reciprocal(scale), _whole(x2d), self.fmt).reshape(x.shape)
+        if update:
+            if amax is None:
+                amax = tensor_amax(x2d)
+            self.update(float(amax))
+        return out
 
     def update(self, amax: float) -> None:
         """Push one amax into the history and recompute the scale."""
