@@ -117,6 +117,10 @@ def learner_device_errors(precision, facts: DeviceFacts) -> list[str]:
     """Why the learner cannot run `precision` on the device `facts` describes ([] when it can; CPU emulates every recipe)."""
     if not facts.cuda or precision.recipe == "none":
         return []
+    if not facts.te:
+        why = f" ({facts.te_error})" if facts.te_error else ""
+        return [f"precision.recipe={precision.recipe} runs through Transformer Engine on GPU, which does not import "
+                f"here{why}: install transformer-engine (the GPU image has it) or set precision.recipe=none"]
     if facts.capability is None:
         return []
     error = recipe_capability_error(precision.recipe, facts.capability)

@@ -19,7 +19,6 @@ as well. ``mxfp4`` has no TE or megatron recipe: it is a CPU emulation and is re
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from typing import Any, Optional
 
 import torch
@@ -35,8 +34,10 @@ NVFP4_DISABLE_SR_ENV = "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"
 
 
 def te_available() -> bool:
-    """True when CUDA is available and transformer_engine is importable."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    """True when CUDA is available and transformer_engine imports (this process's DeviceFacts, detected once)."""
+    from megatron_rl.precision.device import detect_device_facts
+
+    return detect_device_facts().use_te
 
 
 def transformer_config_kwargs(cfg: PrecisionConfig) -> dict[str, Any]:

@@ -25,10 +25,11 @@ from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.parallel import state
 from megatron_rl.precision import fp8_forward_context
+from megatron_rl.precision.device import DeviceFacts, detect_device_facts, learner_device_errors
 from megatron_rl.models.presets import Architecture, megatron_param_shapes, resolve_architecture
 from megatron_rl.trainer.logprobs import gather_cp_sequence, vocab_parallel_label_is_argmax, vocab_parallel_logprobs_entropy
 from megatron_rl.trainer.model import build_model_chunks, build_transformer_config, unwrap, wrap_ddp
-from megatron_rl.trainer.spec import layer_offset, to_cp_layout
+from megatron_rl.trainer.spec import layer_offset, to_cp_layout, uses_te_spec
 from megatron_rl.types import TrainBatch
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -95,25 +96,34 @@ class Learner:
         total_steps: Optional[int] = None,
         init: bool = False,
         architecture: Optional[Architecture] = None,
+        device_facts: Optional[DeviceFacts] = None,
     ) -> None:
         """Build model chunks, DDP, optimizer and LR schedule.
 
         `total_steps` sets the decay length of linear/cosine schedules; `architecture` replaces the
         preset resolved from `model_cfg` (e.g. one derived from an HF config); `init=True` forces
-        `init_distributed` (it is called anyway when the groups do not exist yet).
+        `init_distributed` (it is called anyway when the groups do not exist yet). `device_facts`
+        (default: this process's, detected once) decide the layer spec: Transformer Engine's only
+        when CUDA is available and TE imports; a recipe this device cannot run is refused here too.
         """
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+        self.device_facts = device_facts if device_facts is not None else detect_device_facts()
+        errors = learner_device_errors(precision_cfg, self.device_facts)
+        if errors:
+            raise ValueError("; ".join(errors))
         if init or not state.is_initialized():
             state.init_distributed(parallel_cfg, seed)
         self.parallel_cfg = parallel_cfg
         self.precision_cfg = precision_cfg
+        use_te = uses_te_spec(self.device_facts)
         self.arch = architecture if architecture is not None else resolve_architecture(model_cfg, vocab_size)
         self.config = build_transformer_config(self.arch, parallel_cfg, optim_cfg, precision_cfg)
-        check_precision_environment(precision_cfg, on_gpu=torch.cuda.is_available())
+        check_precision_environment(precision_cfg, on_gpu=use_te)
         torch.manual_seed(seed)
-        self.model = wrap_ddp(build_model_chunks(self.arch, self.config, precision_cfg), self.config, parallel_cfg)
+        self.model = wrap_ddp(build_model_chunks(self.arch, self.config, precision_cfg, use_te=use_te), self.config,
+                              parallel_cfg)
         bf16 = optim_cfg.params_dtype == "bf16"
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(

@@ -80,8 +80,9 @@ def build_transformer_config(
     return config
 
 
-def build_model_chunks(arch: Architecture, config: Any, precision_cfg: PrecisionConfig) -> list[torch.nn.Module]:
-    """Unwrapped GPTModel chunks of this pipeline rank (one per virtual stage), on the compute device."""
+def build_model_chunks(arch: Architecture, config: Any, precision_cfg: PrecisionConfig,
+                       use_te: Optional[bool] = None) -> list[torch.nn.Module]:
+    """Unwrapped GPTModel chunks of this pipeline rank (one per virtual stage), on the compute device (`use_te`: block_spec's)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
@@ -91,7 +92,7 @@ def build_model_chunks(arch: Architecture, config: Any, precision_cfg: Precision
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(config, precision_cfg, vp_stage=stage),
+            transformer_layer_spec=block_spec(config, precision_cfg, vp_stage=stage, use_te=use_te),
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             parallel_output=True,

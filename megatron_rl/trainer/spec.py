@@ -166,14 +166,29 @@ def layer_offset(config: Any, vp_stage: Optional[int]) -> tuple[int, int]:
     return get_transformer_layer_offset(config, vp_stage=vp_stage), get_num_layers_to_build(config, vp_stage=vp_stage)
 
 
+def uses_te_spec(facts) -> bool:
+    """True when the learner builds megatron's Transformer Engine spec: CUDA and an importable TE (`DeviceFacts`).
+
+    CUDA alone is not enough: megatron's TE spec names TE classes (TESpecProvider) that exist only when
+    TE imports, so a GPU without TE builds the local spec (recipe none; an FP8 recipe there is refused
+    when the config loads, precision/device.py).
+    """
+    return bool(facts.cuda and facts.te)
+
+
 def block_spec(config: Any, precision_cfg: PrecisionConfig, vp_stage: Optional[int] = None, use_te: Optional[bool] = None):
-    """TransformerBlockSubmodules for this pipeline stage / virtual chunk (layers sliced by global index)."""
+    """TransformerBlockSubmodules for this pipeline stage / virtual chunk (layers sliced by global index).
+
+    `use_te` is the Learner's decision (`uses_te_spec` of its device facts); None asks this process's facts.
+    """
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from megatron_rl.precision import linear_classes_for_layer
 
     if use_te is None:
-        use_te = torch.cuda.is_available()
+        from megatron_rl.precision.device import detect_device_facts
+
+        use_te = uses_te_spec(detect_device_facts())
     offset, count = layer_offset(config, vp_stage)
     if use_te:
         # Imported lazily: Transformer Engine exists only on GPU machines.

@@ -11,8 +11,9 @@ torch, but no pydantic, megatron-core or transformer-engine):
                              --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; \
                          python3 tests/gpu/calibration_device_check.py
 The loss checks need only pydantic (megatron_rl's configs); the train step needs megatron-core. Without
-transformer-engine the learner is built from megatron's local layer spec on CUDA in high precision (the TE /
-FP8 side is tests/gpu/fp8_device_check.py's); the calibration machinery runs all the same.
+transformer-engine the Learner itself builds megatron's local layer spec on CUDA in high precision (its
+device facts: trainer/spec.py uses_te_spec, as every GPU Learner without TE does; the TE / FP8 side is
+tests/gpu/fp8_device_check.py's); the calibration machinery runs all the same.
 
 Checks (each reported on its own; an exception fails that check only):
 - loss_<backend>: RLLoss with a calibration tap over 3 CUDA micro-batches of an event step (shadow rows drawn at
@@ -118,19 +119,6 @@ def loss_path(backend: str) -> None:
           tokens=g["tokens"])
 
 
-def _local_spec_without_te() -> None:
-    """Without transformer-engine, build megatron's local layer spec on CUDA (this script only)."""
-    import importlib.util
-
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return
-    import megatron_rl.trainer.model as model
-    import megatron_rl.trainer.spec as spec
-
-    original = spec.block_spec
-    model.block_spec = lambda config, precision_cfg, vp_stage=None, use_te=None: original(config, precision_cfg, vp_stage, use_te=False)
-
-
 def train_steps() -> None:
     """loop.train_on_batch on CUDA for each bounds_update and backend: a calibration step and an ordinary one."""
     from calibration_spec import check_run_dumps
@@ -142,8 +130,6 @@ def train_steps() -> None:
     from megatron_rl.trainer.learner import Learner
     from megatron_rl.types import TrainBatch
 
-    if DEVICE == "cuda":
-        _local_spec_without_te()
     base = ["precision.recipe=none", "precision.rollout_quantization=none", "train.micro_batch_size=8",
             "train.num_minibatches=2", "algo.calibration.enabled=true", "algo.calibration.calibrate_every=2",
             "algo.calibration.relax_only=false", "algo.calibration.smoothing=0.0", "tracking.dump_ratios=true"]
