@@ -73,7 +73,7 @@ class WeightSyncConfig(StrictConfig):
     master_address: Optional[str] = None
     """Address engines reach the stage sender on this address's host at (a sender on another host, e.g. stage 1 of a PP = 2 run across nodes, advertises its own); default: 127.0.0.1 if every engine is local, else the address of this host's interface that routes to the engines; loopback with a remote engine is an error."""
     master_port: int = Field(0, ge=0, le=65535)
-    """Port (0-65535) of stage 0's weight-update group (stage k uses master_port + k); 0 = a free port per group."""
+    """Port (0-65535) of stage 0's weight-update group (stage k uses master_port + k); 0 = each sender's own listening socket on a port the OS picks."""
     group_name: str = "weight_update_group"
     """Name of the weight-update group (with PP > 1, stage k uses <group_name>_pp<k>)."""
     pause_mode: Literal["abort", "in_place"] = "abort"

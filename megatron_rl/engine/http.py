@@ -16,6 +16,8 @@
   preface with a 400 and closes the connection (which is the answer the probe needs: the router then
   talks HTTP/1.1), but logs the refusal with a traceback at ERROR. Nothing is wrong, so nothing is an
   error; SGLang itself (uvicorn) refuses the same preface with a one-line warning.
+- `listening_socket` / `write_port_file`: the server binds the port it serves on itself (port 0: one the OS
+  picks) and reports it in a file, so a launcher never hands it a probed port another process could take first.
 
 json.loads holds the interpreter lock for the whole parse (so does every C JSON parser), so a thread
 keeps the event loop free only between parses: the body limit is what bounds the longest stall of
@@ -28,7 +30,9 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import secrets
+import socket
 import sys
 import threading
 from typing import Awaitable, Callable, Iterable, Iterator, Optional
@@ -69,6 +73,33 @@ class _ServerLog(logging.LoggerAdapter):
 
 SERVER_LOG = _ServerLog(logging.getLogger("aiohttp.server"), {})
 """The `logger` of the engine's aiohttp request handlers (see the module docstring)."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), ready for aiohttp (`web.run_app(sock=...)`); port 0: the OS picks it.
+
+    SO_REUSEADDR as asyncio's `create_server` sets it on POSIX (a restart may bind a port in TIME_WAIT);
+    OSError (EADDRINUSE: "Address already in use") when the port is taken.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        if os.name == "posix":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write `port` to `path` atomically (a complete file appears at once; a launcher polls for it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)
 
 
 class BadRequest(ValueError):

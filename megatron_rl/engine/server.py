@@ -41,7 +41,8 @@ from megatron_rl.engine.generation import (
     Engine, GenerationOutput, GenerationRequest, InvalidRequest, ModelLoader, SamplingParams,
 )
 from megatron_rl.engine.http import (
-    SERVER_LOG, BadRequest, api_key_middleware, body_middleware, error_response, gc_paused, parse_json_object, read_json,
+    SERVER_LOG, BadRequest, api_key_middleware, body_middleware, error_response, gc_paused, listening_socket,
+    parse_json_object, read_json, write_port_file,
 )
 from megatron_rl.engine.validation import (
     DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST, ModelFacts, RequestError, RequestLimits, validate_generate,
@@ -580,7 +581,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="do not load a tokenizer even if the model directory has one (token-id input only)")
     p.add_argument("--host", default="127.0.0.1", help="bind address")
-    p.add_argument("--port", type=int, default=30000, help="bind port")
+    p.add_argument("--port", type=int, default=30000, help="bind port (0: one the OS picks; see --port-file)")
+    p.add_argument("--port-file", default=None,
+                   help="once bound, write the port to this file (atomically): how a launcher learns the port of --port 0")
     p.add_argument("--random-seed", type=int, default=0, help="seed of requests without sampling_seed")
     p.add_argument("--model-loader", default=None, help="package.module:function building the model from a path")
     p.add_argument("--batch-window-ms", type=float, default=5.0, help="how long to gather concurrent requests into a batch")
@@ -664,10 +667,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(args.num_threads)
     if tokenizer_path and not args.tokenizer_path:
         log.info("using the tokenizer in %s", tokenizer_path)
+    # bound here, before the model loads, and served as is: the port is this process's from the start
+    try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as exc:
+        log.error("cannot bind %s:%d: %s", args.host, args.port, exc)
+        return 1
+    port = sock.getsockname()[1]
+    if args.port_file:
+        write_port_file(args.port_file, port)
     server = RolloutServer(
         args.model_path, tokenizer_path, model_loader=resolve_model_loader(args.model_loader),
         random_seed=args.random_seed, batch_window_s=args.batch_window_ms / 1000.0,
-        max_batch_size=args.max_batch_size, weight_version=args.weight_version, host=args.host, port=args.port,
+        max_batch_size=args.max_batch_size, weight_version=args.weight_version, host=args.host, port=port,
         exit_on_load_error=True, deterministic=args.enable_deterministic_inference, kv_cache_dtype=args.kv_cache_dtype,
         api_key=args.api_key, max_n=args.max_n, max_sequences_per_request=args.max_sequences_per_request,
         max_body_mb=args.max_body_mb, max_weight_body_mb=args.max_weight_body_mb, read_timeout_s=args.read_timeout_s,
@@ -675,8 +687,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         sglang_compat=args.sglang_compat, tp_size=args.tp_size)
     if args.parent_pid > 0:
         watch_parent(args.parent_pid)
-    web.run_app(server.make_app(), host=args.host, port=args.port, print=None, access_log=None,
-                keepalive_timeout=args.read_timeout_s, logger=SERVER_LOG)
+    web.run_app(server.make_app(), sock=sock, print=None, access_log=None, keepalive_timeout=args.read_timeout_s,
+                logger=SERVER_LOG)
     return 0
 
 

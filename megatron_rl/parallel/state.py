@@ -2,13 +2,12 @@
 
 `init_distributed(parallel_cfg, seed)` works under torchrun/srun-style env vars (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and, without them, creates a world of one
-process on a free local port. The accessors below are the only way the rest of the code reaches
-process groups (algo/ receives a group object, never calls these).
+process whose store listens on a port the OS picks as it binds. The accessors below are the only
+way the rest of the code reaches process groups (algo/ receives a group object, never calls these).
 """
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 import torch
 import torch.distributed as dist
@@ -17,13 +16,6 @@ from megatron_rl.config.model import ParallelConfig
 from megatron_rl.parallel.compat import enable_cpu_compat
 
 _INIT: dict[str, object] = {"cfg": None, "owns_pg": False}
-
-
-def _free_port() -> int:
-    """An unused local TCP port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def resolve_backend(parallel_cfg: ParallelConfig) -> str:
@@ -59,13 +51,11 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234, timeout_min
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
         else:
-            dist.init_process_group(
-                backend=backend,
-                init_method=f"tcp://127.0.0.1:{_free_port()}",
-                rank=0,
-                world_size=1,
-                timeout=timedelta(minutes=timeout_minutes),
-            )
+            # the store binds port 0 itself (the OS picks a free port as it binds): a port probed first and bound
+            # later by tcp:// rendezvous could be taken in between by another process on a shared node
+            timeout = timedelta(minutes=timeout_minutes)
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
         _INIT["owns_pg"] = True
     check_world_size(parallel_cfg, dist.get_world_size())
     if mpu.model_parallel_is_initialized():

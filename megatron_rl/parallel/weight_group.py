@@ -38,18 +38,31 @@ def check_private_api() -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port on `host`."""
+    """A TCP port unused on `host` a moment ago (another process may take it before it is bound: for tests that
+    hand a port to a trainer script; a sender hosts its group on `listening_socket` instead)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
+def listening_socket() -> socket.socket:
+    """A TCP socket listening on every interface (IPv4, and IPv6 where the host has both) at a port the OS picked
+    as it bound it: rank 0 hands it to its rendezvous store (`init_weight_update_group(listen_sock=...)`), so the
+    port it tells the other ranks is held from the start and no other process can take it in between."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", 0))
+
+
 def init_weight_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                             group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 300.0) -> dist.ProcessGroup:
+                             group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 300.0,
+                             listen_sock: Optional[socket.socket] = None) -> dist.ProcessGroup:
     """Join (rank 0: host) the group `group_name` of `world_size` ranks; blocks until every rank joined.
 
     `timeout_s` bounds the rendezvous and every later collective of the group (a broadcast that
-    never comes raises after it instead of hanging).
+    never comes raises after it instead of hanging). Rank 0 given `listen_sock` (`listening_socket()`, bound to
+    `master_port`) serves the store on that socket, which this call takes over (TCPStore's `master_listen_fd`);
+    without it the store binds `master_port` itself.
     """
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
@@ -60,11 +73,16 @@ def init_weight_update_group(backend: str, master_address: str, master_port: int
         raise ValueError(f"backend {backend!r} must be 'gloo' or 'nccl'")
     if group_name in _world.pg_names.values():
         raise ValueError(f"a process group named {group_name!r} already exists in this process")
+    if listen_sock is not None and (rank != 0 or listen_sock.getsockname()[1] != int(master_port)):
+        raise ValueError(f"listen_sock is rank 0's socket bound to master_port {master_port} "
+                         f"(got rank {rank}, port {listen_sock.getsockname()[1]})")
     timeout = timedelta(seconds=float(timeout_s))
     # What rendezvous("tcp://...") builds outside torchrun, stated directly: under torchrun (the
-    # learner) rendezvous would only connect to the elastic agent's store instead of hosting ours.
+    # learner) rendezvous would only connect to the elastic agent's store instead of hosting ours. The
+    # store (server and rank 0's own client) owns the handed-over descriptor from here on.
+    listen_fd = listen_sock.detach() if listen_sock is not None else None
     store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
-                          multi_tenant=True)
+                          multi_tenant=True, master_listen_fd=listen_fd)
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters else "pg_options"

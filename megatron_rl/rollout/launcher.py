@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from megatron_rl.rollout import sglang_launcher
 from megatron_rl.rollout.processes import (  # noqa: F401  (re-exported: the launcher's public names)
     ROUTER_POLICIES, ClusterPlan, EngineSpec, LaunchError, ManagedProcess, PlannedProcess, RolloutCluster, _spawn,
-    free_port, plan_cluster, public_host, router_command, start_cluster, wait_healthy, wait_router,
+    free_port, plan_cluster, plan_router, public_host, router_command, start_cluster, wait_healthy, wait_router,
 )
 
 
@@ -70,10 +70,11 @@ def embedded_specs(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
     parent = os.getpid()
 
     def spec(i: int) -> EngineSpec:
+        # the engine binds the port it serves on (port 0 + --port-file; rollout/processes.py), so no probe can race it
         return EngineSpec(lambda port: engine_command(model_path, port, host, tokenizer_path, random_seed + i, model_loader,
                                                       num_threads, engine_args, deterministic=deterministic,
                                                       parent_pid=parent, kv_cache_dtype=kv_cache_dtype,
-                                                      api_key=api_key, max_n=max_n))
+                                                      api_key=api_key, max_n=max_n), port_file_flag="--port-file")
 
     return [spec(i) for i in range(num_engines)]
 
@@ -205,14 +206,15 @@ def launch_from_config(cfg, model_path: str, tokenizer_path: Optional[str] = Non
 
 def plan_from_config(cfg, model_path: str, tokenizer_path: Optional[str] = None, precision=None,
                      launch_dir: str = "launch", num_threads: int = 1, visible_gpus: Optional[int] = None,
-                     learner_gpus: Optional[int] = None) -> ClusterPlan:
-    """What `launch_from_config` would start (argv, ports, environment of each engine and the router); starts
-    nothing, writes nothing, needs no GPU when `visible_gpus` is given."""
+                     learner_gpus: Optional[int] = None, log_dir: Optional[str] = None) -> ClusterPlan:
+    """What `launch_from_config` would start (argv, ports, environment of each engine and the router; `log_dir`:
+    where a start would log, which holds the embedded engines' port files); starts nothing, writes nothing, needs no
+    GPU when `visible_gpus` is given."""
     kind, precision = _engine_kind(cfg), _precision(precision)
     specs = kind(cfg, precision, planned_launch_path(model_path, precision, launch_dir), tokenizer_path,
                  num_threads=num_threads, visible_gpus=visible_gpus, learner_gpus=learner_gpus)
     return plan_cluster(specs, host=cfg.host, base_port=cfg.base_port, use_router=cfg.use_router,
-                        router_policy=cfg.router_policy, api_key=cfg.api_key)
+                        router_policy=cfg.router_policy, api_key=cfg.api_key, log_dir=log_dir)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ command would start, engines first, then the router:
 
     {"argv": ["/opt/sglang/bin/python", "-m", "sglang.launch_server", ...], "env": {"RANK": null, ..., "CUDA_VISIBLE_DEVICES": "0"}}
 
-`argv` is the exact command line; `env` holds the changes to this command's own environment, a
+`argv` is the exact command line (an embedded engine on a free port says `--port 0 --port-file F`: it
+binds a port the OS picks and writes it to F, so a router line names its workers at port 0); `env` holds the changes to this command's own environment, a
 string for a variable set, null for one removed (torchrun's worker variables, rollout/processes.py).
 `--gpus N` is the node's GPU count (default: the CUDA devices this process sees), so a login node
 without GPUs can show an 8-GPU node's layout. No GPU is kept for a learner here: this command is no
@@ -62,6 +63,11 @@ def node_rollout_config(rollout):
     return rollout.model_copy(update={"engine": engine, "urls": [], "weight_update_urls": []})
 
 
+def node_log_dir(cfg) -> str:
+    """Where this node's engines log (and the embedded engines write their port files)."""
+    return str(Path(cfg.run_dir) / "logs" / f"engines_{socket.gethostname()}")
+
+
 def dry_run(cfg, model_path: Optional[str] = None, gpus: Optional[int] = None) -> list[dict]:
     """{"argv", "env"} of every process `serve_engines` would start (engines, then the router); starts nothing."""
     from megatron_rl.rollout.launcher import plan_from_config
@@ -69,7 +75,8 @@ def dry_run(cfg, model_path: Optional[str] = None, gpus: Optional[int] = None) -
     r = node_rollout_config(cfg.rollout)
     path = model_dir(cfg, model_path, must_exist=False)
     plan = plan_from_config(r, path, tokenizer_path=cfg.data.tokenizer_dir or path, precision=cfg.precision,
-                            launch_dir=str(Path(cfg.run_dir) / "weights"), visible_gpus=gpus, learner_gpus=0)
+                            launch_dir=str(Path(cfg.run_dir) / "weights"), visible_gpus=gpus, learner_gpus=0,
+                            log_dir=node_log_dir(cfg))
     return [p.to_json() for p in plan.processes]
 
 
@@ -80,7 +87,7 @@ def serve_engines(cfg, model_path: Optional[str] = None, urls_file: Optional[str
 
     r = node_rollout_config(cfg.rollout)
     path = model_dir(cfg, model_path)
-    log_dir = str(Path(cfg.run_dir) / "logs" / f"engines_{socket.gethostname()}")
+    log_dir = node_log_dir(cfg)
     cluster = launch_from_config(r, path, tokenizer_path=cfg.data.tokenizer_dir or path, log_dir=log_dir,
                                  precision=cfg.precision, launch_dir=str(Path(cfg.run_dir) / "weights"), learner_gpus=0)
     stop = {"signal": None}

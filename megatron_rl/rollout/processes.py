@@ -17,10 +17,21 @@ No orphans: every engine and the router start in their own process group with PR
 (SIGKILL when the launching process dies, even by SIGKILL; SGLang's own subprocesses do the same
 towards their parent), and `stop()` signals the whole group (SIGTERM, then SIGKILL).
 A start that dies or stays unhealthy raises `LaunchError` with the tail of that process's log.
+
+Ports (with `base_port` 0): a port probed free and bound later by the child can be taken in between by
+another process on the node. So a process binds the port it serves on: an engine that can report its
+port (`EngineSpec.port_file_flag`; the embedded engine's `--port-file`) starts with `--port 0`, binds a
+port the OS picks and writes it to a file in the log directory, which the launcher reads before the
+health check (its URL, a restart's command and the router's worker list use that port). SGLang engines
+and sglang-router cannot report a port, so they get a probed one, and a start that exits because the
+port was taken (`PORT_TAKEN_SIGNS` in the output of that start) is retried on a fresh port, at most
+`PORT_ATTEMPTS` times. Fixed ports (`base_port` > 0) are the user's layout and never changed.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -34,6 +45,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 ROUTER_POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")
+PORT_ATTEMPTS = 3
+"""Starts of a process on a probed port before a port taken each time is reported (see the module docstring)."""
+PORT_TAKEN_SIGNS = ("address already in use", "is not available in")
+"""What a start's output says when its port was taken (lower case): the OS's EADDRINUSE text, as uvicorn (SGLang's
+HTTP server), Python and Rust (sglang-router) print it, and SGLang's own port wait (python/sglang/srt/utils/network.py:
+wait_port_available, "... at <port> is not available in <n> seconds")."""
+
+log = logging.getLogger(__name__)
 
 
 class LaunchError(RuntimeError):
@@ -41,7 +60,8 @@ class LaunchError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free on `host` (may be taken again before use; callers retry on bind errors)."""
+    """A port the OS reports free on `host` (it may be taken again before use: `start_cluster` retries a start
+    on a port taken in between)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -65,6 +85,8 @@ class ManagedProcess:
     """Full environment it was started with."""
     restarts: int = 0
     """How many times it was restarted."""
+    log_start: int = 0
+    """Offset in `log_path` where the current start's output begins (earlier starts' output precedes it)."""
 
     def log_tail(self, max_chars: int = 4000) -> str:
         """The end of the process's log."""
@@ -76,6 +98,22 @@ class ManagedProcess:
                 return f.read().decode(errors="replace")
         except OSError as exc:
             return f"<log unavailable: {exc}>"
+
+    def start_output(self, max_chars: int = 20000) -> str:
+        """The last `max_chars` of what the current start wrote to its log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(self.log_start, os.path.getsize(self.log_path) - max_chars))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def relaunch(self, cmd: list[str], url: str) -> None:
+        """Start again (after its start failed) with `cmd`, serving `url`; restarts keep this command."""
+        self.stop()
+        self.cmd, self.url = list(cmd), url
+        self.log_start = _log_size(self.log_path)
+        self.proc = _popen(self.cmd, self.log_path, self.env)
 
     def signal_group(self, sig: int) -> None:
         """Send `sig` to the process's whole group (its subprocesses included); no-op once it is gone."""
@@ -100,6 +138,7 @@ class ManagedProcess:
     def restart(self) -> None:
         """Stop (if still running) and start again with the same command, environment and log file."""
         self.stop()
+        self.log_start = _log_size(self.log_path)
         self.proc = _popen(self.cmd, self.log_path, self.env)
         self.restarts += 1
 
@@ -220,11 +259,46 @@ def _popen(cmd: list[str], log_path: str, env: Optional[dict]) -> subprocess.Pop
         log.close()  # the child holds its own descriptor
 
 
+def _log_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def _spawn(name: str, cmd: list[str], url: str, log_dir: str, env: Optional[dict] = None) -> ManagedProcess:
     """Start one managed process; `env` None = this process's environment without the launcher variables."""
     env = apply_env(env_changes()) if env is None else env
     log_path = os.path.join(log_dir, name.replace(" ", "_") + ".log")
-    return ManagedProcess(name, _popen(cmd, log_path, env), url, log_path, list(cmd), env)
+    start = _log_size(log_path)
+    return ManagedProcess(name, _popen(cmd, log_path, env), url, log_path, list(cmd), env, log_start=start)
+
+
+def port_taken(output: str) -> bool:
+    """Whether a start's output says its port was taken (`PORT_TAKEN_SIGNS`)."""
+    text = output.lower()
+    return any(sign in text for sign in PORT_TAKEN_SIGNS)
+
+
+def wait_port_file(proc: ManagedProcess, path: str, timeout_s: float, poll_s: float = 0.05) -> int:
+    """The port `proc` wrote to `path` once it bound its socket; LaunchError (with the log tail) if it exits first
+    or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text:
+                return int(text)
+        except (OSError, ValueError):
+            pass  # not written yet (the writer renames a complete file into place)
+        if proc.proc.poll() is not None:
+            raise LaunchError(f"{proc.name} exited with code {proc.proc.returncode} before it reported its port; "
+                              f"log tail ({proc.log_path}):\n{proc.log_tail()}")
+        if time.monotonic() >= deadline:
+            raise LaunchError(f"{proc.name} did not report its port in {path} within {timeout_s:g} s; "
+                              f"log tail ({proc.log_path}):\n{proc.log_tail()}")
+        time.sleep(poll_s)
 
 
 def public_host(bind_host: str) -> str:
@@ -290,6 +364,8 @@ class EngineSpec:
     """argv of the engine listening on the given port."""
     env: dict[str, str] = field(default_factory=dict)
     """Variables set for this engine (e.g. its CUDA_VISIBLE_DEVICES); launcher variables are removed in any case."""
+    port_file_flag: Optional[str] = None
+    """Flag naming the file an engine started on port 0 writes its bound port to (embedded: --port-file); None: the engine gets a probed port (retried on a fresh one when it was taken)."""
 
 
 @dataclass
@@ -304,6 +380,12 @@ class PlannedProcess:
     """Base URL it serves."""
     env: dict[str, Optional[str]]
     """Changes to the launcher's environment: value = set, None = removed (`env_changes`)."""
+    port_file: Optional[str] = None
+    """File the process writes the port it bound to (it starts on port 0; its planned URL says port 0)."""
+    command: Optional[Callable[[int], list[str]]] = field(default=None, repr=False, compare=False)
+    """argv on a given port: a restart on the reported port, or a retry on a fresh one."""
+    probed: bool = False
+    """Its port was probed free, so a start that finds it taken is retried on another (`PORT_ATTEMPTS`)."""
 
     def to_json(self) -> dict:
         """{"argv": [...], "env": {name: value or null}}: one line of `megatron-rl engines --dry-run`."""
@@ -325,29 +407,50 @@ class ClusterPlan:
         return self.engines + ([self.router] if self.router else [])
 
 
+PLANNED_LOG_DIR = "<log_dir>"
+"""Stands for the log directory in a plan made without one (port files live there)."""
+
+
 def plan_cluster(specs: Sequence[EngineSpec], *, host: str = "127.0.0.1", base_port: int = 0, use_router: bool = False,
                  router_policy: str = "round_robin", router_args: Sequence[str] = (),
-                 api_key: Optional[str] = None) -> ClusterPlan:
+                 api_key: Optional[str] = None, log_dir: Optional[str] = None) -> ClusterPlan:
     """Ports, argv and environment of every process `start_cluster` would run (nothing starts).
 
-    Ports are free ports unless `base_port` > 0 (engine i: base_port + i, router: base_port + len(specs)).
+    With `base_port` > 0: engine i on base_port + i, the router on base_port + len(specs). Otherwise an
+    engine that reports its port starts on port 0 with its port file in `log_dir` (its URL, and the router's
+    worker list here, say port 0: the real ones are known once it bound), and the others get probed ports.
     """
     if not specs:
         raise ValueError("at least one engine is needed")
     url_host = public_host(host)
     engines = []
     for i, spec in enumerate(specs):
+        name = f"engine {i}"
+        if base_port == 0 and spec.port_file_flag:
+            port_file = os.path.join(log_dir or PLANNED_LOG_DIR, name.replace(" ", "_") + ".port")
+            engines.append(PlannedProcess(name, [*spec.command(0), spec.port_file_flag, port_file], f"http://{url_host}:0",
+                                          env_changes(spec.env), port_file=port_file, command=spec.command))
+            continue
         port = base_port + i if base_port > 0 else free_port(host)
-        engines.append(PlannedProcess(f"engine {i}", spec.command(port), f"http://{url_host}:{port}", env_changes(spec.env)))
-    router = None
-    if use_router:
-        port = base_port + len(specs) if base_port > 0 else free_port(host)
-        # with a key the router requires it from clients and authorizes itself to the workers with it
-        key_args = ["--api-key", api_key] if api_key else []
-        router = PlannedProcess("router", router_command([e.url for e in engines], port, host, router_policy,
-                                                         [*key_args, *router_args]),
-                                f"http://{url_host}:{port}", env_changes())
+        engines.append(PlannedProcess(name, spec.command(port), f"http://{url_host}:{port}", env_changes(spec.env),
+                                      command=spec.command, probed=base_port == 0))
+    router = plan_router([e.url for e in engines], host=host, port=base_port + len(specs) if base_port > 0 else 0,
+                         policy=router_policy, router_args=router_args, api_key=api_key) if use_router else None
     return ClusterPlan(engines, router)
+
+
+def plan_router(worker_urls: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, policy: str = "round_robin",
+                router_args: Sequence[str] = (), api_key: Optional[str] = None) -> PlannedProcess:
+    """The sglang-router in front of `worker_urls` on `port` (0: a probed port, retried when taken)."""
+    # with a key the router requires it from clients and authorizes itself to the workers with it
+    extra = [*(["--api-key", api_key] if api_key else []), *router_args]
+
+    def command(p: int) -> list[str]:
+        return router_command(worker_urls, p, host, policy, extra)
+
+    chosen = port or free_port(host)
+    return PlannedProcess("router", command(chosen), f"http://{public_host(host)}:{chosen}", env_changes(),
+                          command=command, probed=port == 0)
 
 
 def start_cluster(specs: Sequence[EngineSpec], *, host: str = "127.0.0.1", base_port: int = 0,
@@ -361,23 +464,54 @@ def start_cluster(specs: Sequence[EngineSpec], *, host: str = "127.0.0.1", base_
 
         if importlib.util.find_spec("sglang_router") is None:
             raise LaunchError("rollout.use_router needs the sglang-router package (pip install sglang-router)")
-    plan = plan_cluster(specs, host=host, base_port=base_port, use_router=use_router, router_policy=router_policy,
-                        router_args=router_args, api_key=api_key)
     log_dir = log_dir or tempfile.mkdtemp(prefix="megatron_rl_rollout_")
     os.makedirs(log_dir, exist_ok=True)
+    plan = plan_cluster(specs, host=host, base_port=base_port, log_dir=log_dir)
     cluster = RolloutCluster(startup_timeout_s=startup_timeout_s)
     try:
         for p in plan.engines:
+            if p.port_file:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(p.port_file)  # a previous run's file in the same log directory names a stale port
             cluster.engines.append(_spawn(p.name, p.argv, p.url, log_dir, apply_env(p.env)))
-        for e in cluster.engines:
-            wait_healthy(e, "/health", startup_timeout_s)
-        if plan.router is not None:
-            cluster.router = _spawn("router", plan.router.argv, plan.router.url, log_dir, apply_env(plan.router.env))
-            wait_router(cluster.router, len(cluster.engines), startup_timeout_s, api_key=api_key)
+        for e, p in zip(cluster.engines, plan.engines):
+            _until_serving(e, p, host, lambda proc: wait_healthy(proc, "/health", startup_timeout_s), startup_timeout_s)
+        if use_router:
+            r = plan_router(cluster.worker_urls, host=host, port=base_port + len(specs) if base_port > 0 else 0,
+                            policy=router_policy, router_args=router_args, api_key=api_key)
+            cluster.router = _spawn("router", r.argv, r.url, log_dir, apply_env(r.env))
+            _until_serving(cluster.router, r, host, lambda proc: wait_router(proc, len(cluster.engines), startup_timeout_s,
+                                                                            api_key=api_key), startup_timeout_s)
         return cluster
     except BaseException:
         cluster.stop()
         raise
+
+
+def _until_serving(proc: ManagedProcess, planned: PlannedProcess, host: str, wait: Callable[[ManagedProcess], None],
+                   timeout_s: float) -> None:
+    """Wait (`wait`) until `proc` serves: first read the port it reported, if it reports one; a start on a probed
+    port that exits because the port was taken is started again on a fresh one (`PORT_ATTEMPTS` starts in all)."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            if planned.port_file:
+                port = wait_port_file(proc, planned.port_file, timeout_s)
+                proc.url = f"http://{public_host(host)}:{port}"
+                if planned.command is not None:
+                    proc.cmd = planned.command(port)  # a restart binds the port this start reported
+            wait(proc)
+            return
+        except LaunchError as exc:
+            taken = planned.probed and proc.proc.poll() is not None and port_taken(proc.start_output())
+            if not taken or planned.command is None:
+                raise
+            if attempt == PORT_ATTEMPTS:
+                raise LaunchError(f"{proc.name}: the probed port was taken before it could bind it in {attempt} "
+                                  f"starts; {exc}") from None
+        port = free_port(host)
+        log.warning("%s: its port %s was taken before it bound it; starting it again on port %d", proc.name,
+                    proc.url.rsplit(":", 1)[-1], port)
+        proc.relaunch(planned.command(port), f"http://{public_host(host)}:{port}")
 
 
 def wait_router(router: ManagedProcess, num_workers: int, timeout_s: float, api_key: Optional[str] = None) -> None:

@@ -6,7 +6,8 @@ every engine and is rank 0 of it, so it is the broadcast source SGLang's receive
     group "<group_name>" (PP = 1) or "<group_name>_pp<k>" (stage k of PP > 1), world = 1 + sum(engine TP sizes)
         rank 0                       the stage-k sender (hosts the rendezvous store at master_address:port)
         rank 1 + o_i + t             TP rank t of engine i, o_i = sum of the TP sizes of engines before i
-    port: rollout.weight_sync.master_port + k, or a free port per group when master_port is 0
+    port: rollout.weight_sync.master_port + k, or (master_port 0) a port the sender's own listening socket was
+          bound to by the OS, handed to the rendezvous store (no probe, so no other process can take it first)
 
 Engines therefore join one group per stage (as slime does) and rank offsets never collide: a group
 holds exactly one sender. Per bucket the sender POSTs {names, dtypes, shapes, group_name,
@@ -195,18 +196,25 @@ class DistributedWeightSync(WeightTransport):
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
         if self.master_port and self.master_port + stage > 65535:
             raise ValueError(f"rollout.weight_sync.master_port={self.master_port} + pipeline stage {stage} is not a TCP port")
-        port = self.master_port + stage if self.master_port else weight_group.free_port(
-            "127.0.0.1" if self.master_address == "127.0.0.1" else "")
+        # master_port 0: the store is served on a socket bound before any engine hears of its port, so no other
+        # process can take the port between a probe and the store's bind (the race a probed free port had)
+        sock = None if self.master_port else weight_group.listening_socket()
+        port = self.master_port + stage if sock is None else sock.getsockname()[1]
         name = self.base_group_name if num_stages == 1 else f"{self.base_group_name}_pp{stage}"
         futures = [self._init_all(port, offsets, world_size, name, backend)]
         try:
             group = weight_group.init_weight_update_group(backend, self.master_address, port, 0, world_size, name,
-                                                          self.timeout_s)
+                                                          self.timeout_s, listen_sock=sock)
         except Exception as exc:
             detail = _first_error(futures)
+            hint = (f" (port {port} is taken on this host: rollout.weight_sync.master_port={self.master_port} + stage "
+                    f"{stage}; choose other ports or 0)" if sock is None and "EADDRINUSE" in str(exc) else "")
             raise RolloutServerError(f"weight sync: could not form group {name!r} at {self.master_address}:{port} with "
-                                     f"{len(self.urls)} engine(s) within {self.timeout_s:g} s: {exc}"
+                                     f"{len(self.urls)} engine(s) within {self.timeout_s:g} s: {exc}{hint}"
                                      + (f"; engine said: {detail}" if detail else "")) from None
+        finally:
+            if sock is not None and sock.fileno() != -1:
+                sock.close()  # not handed over (the call failed before the store took it)
         try:
             for f in futures:
                 f.result()
