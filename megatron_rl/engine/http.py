@@ -15,7 +15,12 @@
   connection to each worker to learn the protocol it speaks; aiohttp's HTTP/1.1 parser refuses the
   preface with a 400 and closes the connection (which is the answer the probe needs: the router then
   talks HTTP/1.1), but logs the refusal with a traceback at ERROR. Nothing is wrong, so nothing is an
-  error; SGLang itself (uvicorn) refuses the same preface with a one-line warning.
+  error; SGLang itself (uvicorn) refuses the same preface with a one-line warning. Every other malformed
+  request (aiohttp's `HttpProcessingError`: a bad request line, header or chunk, a line too long; its
+  `RequestHandler.handle_error` logs it with a traceback at ERROR) is one WARNING line without traceback, as
+  uvicorn's "Invalid HTTP request received.", and at most `BAD_REQUEST_LINES` of them per
+  `BAD_REQUEST_WINDOW_S`; the rest are counted in one "suppressed K similar messages" line when their window
+  ends, so a flood of garbage cannot fill a disk. Other errors keep their traceback.
 - `listening_socket` / `write_port_file`: the server binds the port it serves on itself (port 0: one the OS
   picks) and reports it in a file, so a launcher never hands it a probed port another process could take first.
 
@@ -35,6 +40,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from typing import Awaitable, Callable, Iterable, Iterator, Optional
 
 from aiohttp import web
@@ -59,19 +65,87 @@ def is_http2_preface_error(exc: object) -> bool:
     return isinstance(exc, HttpProcessingError) and any(sign in str(exc) for sign in HTTP2_PREFACE_SIGNS)
 
 
+BAD_REQUEST_LINES = 10
+"""Malformed-request lines logged per BAD_REQUEST_WINDOW_S at most (the rest are counted in one summary line)."""
+BAD_REQUEST_WINDOW_S = 10.0
+"""Window (seconds) of BAD_REQUEST_LINES."""
+
+
+class RateLimitedLines:
+    """At most `max_lines` lines per `window_s` to a logger; lines past that are counted and reported as one
+    "suppressed K similar messages" line when their window ends (from a timer on the running event loop, or
+    with the next line when no loop runs the timer)."""
+
+    def __init__(self, logger: logging.Logger, max_lines: int, window_s: float, clock=time.monotonic) -> None:
+        """Limit lines to `logger`; `clock` gives seconds (injected by tests)."""
+        self.logger, self.max_lines, self.window_s, self.clock = logger, max_lines, window_s, clock
+        self.window_start = float("-inf")
+        self.lines = 0
+        self.suppressed = 0
+        self._lock = threading.Lock()
+
+    def log(self, level: int, msg: str, *args) -> None:
+        """Log one line unless this window's `max_lines` are spent (then count it)."""
+        with self._lock:
+            self._roll()
+            if self.lines < self.max_lines:
+                self.lines += 1
+                self.logger.log(level, msg, *args)
+                return
+            self.suppressed += 1
+            first = self.suppressed == 1
+            delay = self.window_start + self.window_s - self.clock()
+        if first:
+            try:
+                asyncio.get_running_loop().call_later(max(delay, 0.0) + 0.01, self.flush)
+            except RuntimeError:
+                pass  # no loop here: the next line reports the count
+
+    def flush(self) -> None:
+        """Report the lines suppressed in a window that has ended."""
+        with self._lock:
+            self._roll()
+
+    def _roll(self) -> None:
+        if self.clock() - self.window_start < self.window_s:
+            return
+        if self.suppressed:
+            self.logger.warning("suppressed %d similar messages in the last %g s (malformed HTTP requests)",
+                                self.suppressed, self.window_s)
+        self.window_start, self.lines, self.suppressed = self.clock(), 0, 0
+
+
+def one_line(exc: BaseException, max_chars: int = 300) -> str:
+    """`Type: message` of an exception on one line (aiohttp's parser errors span several), at most `max_chars`."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
+
+
 class _ServerLog(logging.LoggerAdapter):
-    """aiohttp's server logger with refused HTTP/2 prefaces (sglang-router's protocol probe) at DEBUG, no traceback."""
+    """aiohttp's server logger: refused HTTP/2 prefaces (sglang-router's protocol probe) at DEBUG, other malformed
+    requests one rate-limited WARNING line each, no traceback (see the module docstring)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        """Wrap aiohttp's server logger."""
+        super().__init__(logger, {})
+        self.bad_requests = RateLimitedLines(logger, BAD_REQUEST_LINES, BAD_REQUEST_WINDOW_S)
 
     def exception(self, msg, *args, exc_info=True, **kwargs) -> None:  # noqa: D102 - logging.Logger.exception
+        from aiohttp.http_exceptions import HttpProcessingError
+
         exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
         if is_http2_preface_error(exc):
             self.logger.debug("refused an HTTP/2 connection (this server speaks HTTP/1.1; sglang-router's protocol "
                               "probe then uses HTTP/1.1): " + str(msg), *args)
             return
+        if isinstance(exc, HttpProcessingError):
+            where = str(msg) % args if args else str(msg)
+            self.bad_requests.log(logging.WARNING, "malformed HTTP request refused (%s): %s", where, one_line(exc))
+            return
         self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
-SERVER_LOG = _ServerLog(logging.getLogger("aiohttp.server"), {})
+SERVER_LOG = _ServerLog(logging.getLogger("aiohttp.server"))
 """The `logger` of the engine's aiohttp request handlers (see the module docstring)."""
 
 
