@@ -13,6 +13,8 @@
     megatron-rl plan CONFIG --nodes N [--gpus-per-node G] [--gpu h100|h200|b200]   # check + estimate a layout
     megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
     megatron-rl study SPEC.yaml [--report-only] [--arms A B]   # arms x seeds from one warm start -> RESULTS.md + plots
+    megatron-rl study SPEC.yaml --hp-measure [--hp-steps all] [--hp-own]   # finished runs' weights in high precision
+    megatron-rl hp-measure RUN_DIR [--steps final|all|N,M] [--own]   # one run: RUN_DIR/hp_measure.json
 """
 from __future__ import annotations
 
@@ -163,10 +165,28 @@ def cmd_plan(args) -> int:
 def cmd_study(args) -> int:
     """Arms x seeds of RL runs from one shared warm start, one after another (resumable), then RESULTS.md and plots."""
     from megatron_rl.study import load_study
-    from megatron_rl.study.runner import run_study
+    from megatron_rl.study.runner import measure_study, run_study
 
-    failed = run_study(load_study(args.spec), report_only=args.report_only, only_arms=args.arms)
+    study = load_study(args.spec)
+    if args.hp_measure:
+        failed = measure_study(study, args.hp_steps, ("hp", "own") if args.hp_own else ("hp",), args.hp_prompts,
+                               args.hp_eval_prompts, only_arms=args.arms)
+        return 1 if run_study(study, report_only=True) + failed else 0
+    failed = run_study(study, report_only=args.report_only, only_arms=args.arms)
     return 1 if failed else 0
+
+
+def cmd_hp_measure(args) -> int:
+    """A run's saved weights through a high-precision engine and forward: greedy accuracy, sampled reward, entropy."""
+    from megatron_rl.study.hp_measure import measure_run
+
+    try:
+        measure_run(args.run_dir, args.steps, ("hp", "own") if args.own else ("hp",), prompts=args.prompts, seed=args.seed,
+                    eval_prompts=args.eval_prompts)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: hp-measure {args.run_dir}: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _quiet_known_upstream_warnings() -> None:
@@ -230,7 +250,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-only", action="store_true", help="only rewrite RESULTS.md and the plots from the runs on disk")
     p.add_argument("--arms", nargs="+", metavar="ARM", default=None,
                    help="run only these arms (the others are left for a later invocation; the report covers every arm)")
+    p.add_argument("--hp-measure", action="store_true",
+                   help="train nothing: measure every finished run's saved weights in high precision (megatron-rl "
+                        "hp-measure, skipping what is measured), then rewrite RESULTS.md")
+    p.add_argument("--hp-steps", default="final", help="--hp-measure: checkpoints to measure: final, all, or steps N,M")
+    p.add_argument("--hp-own", action="store_true", help="--hp-measure: also through each arm's own engine precision")
+    p.add_argument("--hp-prompts", type=int, default=64, help="--hp-measure: training prompts sampled for the reward")
+    p.add_argument("--hp-eval-prompts", type=int, default=None,
+                   help="--hp-measure: held-out prompts of the greedy evaluation (default: each run's train.eval_max_prompts)")
     p.set_defaults(fn=cmd_study)
+    p = sub.add_parser("hp-measure", help=cmd_hp_measure.__doc__, description=cmd_hp_measure.__doc__)
+    p.add_argument("run_dir", help="a `megatron-rl train` run directory (config.yaml, checkpoints/)")
+    p.add_argument("--steps", default="final", help="checkpoints to measure: final (the newest), all, or steps N,M")
+    p.add_argument("--prompts", type=int, default=64,
+                   help="training prompts (a fixed seeded set) sampled rollout.n_samples_per_prompt times for the reward")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt set and of its sampling")
+    p.add_argument("--eval-prompts", type=int, default=None,
+                   help="held-out prompts of the greedy evaluation (default: the run's train.eval_max_prompts)")
+    p.add_argument("--own", action="store_true",
+                   help="also measure through the run's own engine precision (view 'own') on the same prompts")
+    p.set_defaults(fn=cmd_hp_measure)
     sub.add_parser("serve", help="Embedded SGLang-protocol rollout server (`megatron-rl serve --help` lists its flags).")
     return parser
 

@@ -219,3 +219,28 @@ def test_abort_callback_finishes_rows(tiny):
     assert out[0][0].finish_reason["type"] == "abort" and len(out[0][0].output_ids) == 1
     assert out[1][0].finish_reason == {"type": "length", "length": 3}
     assert all(math.isfinite(x) for x in out[0][0].logprobs)
+
+
+def test_sampled_tokens_follow_the_filtered_distribution(tmp_path):
+    """The batched inverse-CDF draw: first tokens of many samples match the top-k-renormalized softmax of the model's
+    logits (within 5 binomial sd), and a token outside the top k is never drawn."""
+    import torch
+
+    from megatron_rl.engine.generation import Engine, GenerationRequest, SamplingParams
+    from megatron_rl.engine.testing import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "m"), seed=7)
+    prompt = [4, 9, 2, 11]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    top = probs.topk(3)
+    want = torch.zeros_like(probs).scatter_(0, top.indices, top.values)
+    want /= want.sum()
+    n = 2000
+    engine = Engine(str(tmp_path / "m"))
+    outs = engine.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=1, n=n, top_k=3, sampling_seed=1,
+                                                                      ignore_eos=True))])[0]
+    counts = torch.bincount(torch.tensor([o.output_ids[0] for o in outs]), minlength=probs.numel()).double()
+    assert counts[want == 0].sum() == 0
+    sd = (n * want * (1 - want)).sqrt()
+    assert ((counts - n * want).abs() <= 5 * sd + 1e-9).all(), (counts, n * want)

@@ -352,11 +352,11 @@ class Engine:
             new_cache = getattr(out, "past_key_values", None)
         return out.logits.float(), new_cache
 
-    def _new_cache(self) -> Any:
-        """An empty HF dynamic KV cache (FP8-emulated under kv_cache_dtype=fp8_e4m3)."""
+    def _new_cache(self, capacity: int = 0) -> Any:
+        """An empty KV cache reserving `capacity` positions (FP8-emulated under kv_cache_dtype=fp8_e4m3)."""
         from megatron_rl.precision.kv_cache import new_kv_cache
 
-        return new_kv_cache(self.model.config, self.kv_cache_dtype)
+        return new_kv_cache(self.model.config, self.kv_cache_dtype, capacity=capacity)
 
     # ------------------------------------------------------------------------------- generate
     def check_request(self, req: GenerationRequest) -> None:
@@ -440,7 +440,8 @@ class Engine:
                 ids[k, width - n:] = torch.tensor(prompts[r])
                 mask[k, width - n:] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits, cache = self._forward(ids, mask, positions, self._new_cache(), last_only=True)
+            capacity = width + max(budget[r] for r in active)
+            logits, cache = self._forward(ids, mask, positions, self._new_cache(capacity), last_only=True)
             logits = logits[:, -1]
             next_pos = positions[:, -1] + 1
         while active:
@@ -501,8 +502,14 @@ class Engine:
                 probs = filter_probs(probs, k, p, m)
         if bool(g_rows.any()):
             tokens[g_rows] = proc[g_rows].argmax(dim=-1)
-        for k in (~g_rows).nonzero()[:, 0].tolist():
-            tokens[k] = int(torch.multinomial(probs[k], 1, generator=gens[k]))
+        sampled = (~g_rows).nonzero()[:, 0]
+        if sampled.numel():
+            # one uniform per row from the row's own generator (its samples never depend on the batch), then one
+            # batched inverse-CDF draw: the first token whose cumulative probability exceeds u (never a zero-probability one)
+            u = torch.cat([torch.rand(1, generator=gens[k], dtype=torch.float64) for k in sampled.tolist()])
+            cdf = probs[sampled].double().cumsum(dim=-1)
+            pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+            tokens[sampled] = pick.clamp(max=probs.shape[-1] - 1)
         return tokens, raw_logprobs.gather(-1, tokens[:, None])[:, 0]
 
     def _stop_string_hit(self, ids: list[int], params: SamplingParams) -> Optional[str]:

@@ -173,6 +173,47 @@ def run_study(study: Study, report_only: bool = False, say: Callable[[str], None
     return failed
 
 
+def measure_study(study: Study, steps: str = "final", views: Sequence[str] = ("hp",), prompts: int = 64,
+                  eval_prompts: Optional[int] = None, say: Callable[[str], None] = print,
+                  only_arms: Optional[Sequence[str]] = None) -> int:
+    """`megatron-rl hp-measure` of every finished run (of `only_arms` when given) with what it still lacks, one
+    subprocess each under the run's own environment (threads, CPU kernels); returns the number of failures."""
+    from megatron_rl.study import hp_measure
+
+    names = [a.name for a in study.spec.arms]
+    unknown = sorted(set(only_arms or ()) - set(names))
+    if unknown:
+        raise StudyError(f"{study.spec_path}: --arms {' '.join(unknown)}: not arms of this study ({', '.join(names)})")
+    settings = hp_measure.settings_record(prompts, 0, eval_prompts)
+    runs = [(arm, seed) for arm, seed in study.runs() if only_arms is None or arm in only_arms]
+    failed = 0
+    for k, (arm, seed) in enumerate(runs, 1):
+        run_dir, tag = study.run_dir(arm, seed), f"[{k}/{len(runs)}] {arm} seed {seed}"
+        if results.final_rl_state(run_dir, study.spec.steps) is None:
+            say(f"{tag}: not finished, not measured")
+            continue
+        try:
+            todo = hp_measure.pending(run_dir, steps, views, settings)
+        except ValueError as exc:
+            failed += 1
+            say(f"{tag}: {exc}")
+            continue
+        if not todo:
+            say(f"{tag}: measured, skipped")
+            continue
+        cmd = [sys.executable, "-m", "megatron_rl.cli", "hp-measure", str(run_dir), "--steps", steps, "--prompts",
+               str(prompts), *(["--eval-prompts", str(eval_prompts)] if eval_prompts is not None else []),
+               *(["--own"] if "own" in views else [])]
+        say(f"{tag}: measuring {len(todo)} (step, view) pair(s)")
+        rc, wall = _run_logged(cmd, child_env(study, arm), run_dir / "hp_measure.log")
+        if rc != 0:
+            failed += 1
+            say(f"{tag}: hp-measure FAILED (rc={rc}) after {wall:.0f} s; see {run_dir / 'hp_measure.log'}")
+        else:
+            say(f"{tag}: measured in {wall:.0f} s")
+    return failed
+
+
 def write_report(study: Study) -> Path:
     """RESULTS.md and curves.png / bounds.png / ratio_hist.png from the run directories as they are."""
     from megatron_rl.study import plots

@@ -159,3 +159,33 @@ def test_engine_with_fp8_kv_cache_matches_teacher_forced_fp8_reference(tmp_path)
     assert (torch.tensor(fp8.logprobs) - plain_lp).abs().max() > 1e-4  # the FP8 cache changes the numbers
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Engine(str(tmp_path / "m"), kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("capacity", [0, 3, 64])
+def test_preallocated_cache_decodes_as_transformers_dynamic_cache(tmp_path, capacity):
+    """Step-by-step decode (with rows leaving the batch, and growth past the reservation) gives the logits of
+    transformers' own concatenating DynamicCache."""
+    from transformers import DynamicCache
+
+    from megatron_rl.precision.kv_cache import new_kv_cache
+
+    model = make_tiny_model(str(tmp_path / "m"), seed=5)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 30, (3, 5), generator=g)
+    steps = torch.randint(3, 30, (3, 7), generator=g)
+    with torch.no_grad():
+        caches = {"ours": new_kv_cache(model.config, "auto", capacity=capacity), "hf": DynamicCache(config=model.config)}
+        out = {k: model(ids, cache=c, use_cache=True).logits for k, c in caches.items()}
+        torch.testing.assert_close(out["ours"], out["hf"], rtol=0, atol=1e-6)
+        rows = torch.arange(3)
+        for t in range(steps.shape[1]):
+            if t == 3:  # a request finished: its row leaves both caches
+                rows = rows[[0, 2]]
+                for c in caches.values():
+                    c.batch_select_indices(torch.tensor([0, 2]))
+            tok = steps[rows, t][:, None]
+            pos = torch.full_like(tok, ids.shape[1] + t)
+            for k, c in caches.items():
+                out[k] = model(tok, cache=c, position_ids=pos, use_cache=True).logits
+            torch.testing.assert_close(out["ours"], out["hf"], rtol=0, atol=1e-6)
+        assert caches["ours"].get_seq_length() == caches["hf"].get_seq_length() == ids.shape[1] + steps.shape[1]
