@@ -19,11 +19,12 @@ def _undocumented(parser: argparse.ArgumentParser) -> list[str]:
 def test_every_subcommand_has_a_help_line():
     sub = _subparsers(build_parser())
     helped = {a.dest: a.help for a in sub._choices_actions}
-    assert set(helped) == set(sub.choices) == {"train", "sft", "serve", "engines", "data", "convert", "config", "study", "plan"}
+    assert set(helped) == set(sub.choices) == {"train", "sft", "serve", "engines", "data", "convert", "config", "study", "plan",
+                                                                                                  "hp-measure"}
     assert all((h or "").strip() for h in helped.values()), helped
 
 
-@pytest.mark.parametrize("command", ["train", "sft", "engines", "data", "convert", "config", "study", "plan"])
+@pytest.mark.parametrize("command", ["train", "sft", "engines", "data", "convert", "config", "study", "plan", "hp-measure"])
 def test_every_argument_has_a_help_line(command):
     assert not _undocumented(_subparsers(build_parser()).choices[command])
 
