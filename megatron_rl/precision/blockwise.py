@@ -12,7 +12,18 @@ from typing import Literal
 
 import torch
 
-from megatron_rl.precision.numerics import E4M3_MAX, _abs_no_nan, _expand_blocks, block_amax
+from megatron_rl.precision.numerics import (
+    E4M3_MAX,
+    _abs_no_nan,
+    _blocked,
+    _expand_blocks,
+    _f32,
+    _fit,
+    _per_block_view,
+    _round_to_fp8_,
+    _tiles,
+    block_amax,
+)
 
 ScaleFmt = Literal["fp32", "ue8m0"]
 
@@ -29,7 +40,7 @@ def round_up_pow2(s: torch.Tensor) -> torch.Tensor:
 
 def _scale_inv(amax: torch.Tensor, scale_fmt: ScaleFmt) -> torch.Tensor:
     """Per-block scale_inv from per-block amax."""
-    s = torch.clamp(amax.float(), min=AMAX_FLOOR) / torch.tensor(E4M3_MAX, dtype=torch.float32)
+    s = torch.clamp(_f32(amax), min=AMAX_FLOOR).div_(E4M3_MAX)  # fp32 division by 448, as by a 0-d fp32 tensor
     if scale_fmt == "ue8m0":
         s = round_up_pow2(s)
     elif scale_fmt != "fp32":
@@ -41,8 +52,12 @@ def _quantize_2d(x2d: torch.Tensor, block: tuple[int, int], scale_fmt: ScaleFmt)
     """q and per-block scale_inv of a 2-D tensor."""
     rows, cols = x2d.shape
     s = _scale_inv(block_amax(x2d, block), scale_fmt)
-    q = torch.clamp(x2d.float() / _expand_blocks(s, block, rows, cols), -E4M3_MAX, E4M3_MAX)
-    return q.to(torch.float8_e4m3fn), s
+    fit = _fit(block, rows, cols)
+    if _tiles(rows, cols, fit):  # per-block scales broadcast over a block view, no expanded copy
+        q = (_blocked(_f32(x2d), fit) / _per_block_view(s, rows, cols, fit)).reshape(rows, cols)
+    else:
+        q = x2d.float() / _expand_blocks(s, block, rows, cols)
+    return q.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
 
 
 def quantize_blockwise(w: torch.Tensor, block: tuple[int, int] = (128, 128), scale_fmt: ScaleFmt = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +71,12 @@ def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q * scale_inv (broadcast over blocks, fp32 product) in dtype."""
     rows, cols = q.shape
-    return (q.float() * _expand_blocks(scale_inv.float(), tuple(block), rows, cols)).to(dtype)
+    fit = _fit(tuple(block), rows, cols)
+    if _tiles(rows, cols, fit) and scale_inv.numel() == (rows // fit[0]) * (cols // fit[1]):
+        out = (_blocked(q.float(), fit) * _per_block_view(scale_inv.float(), rows, cols, fit)).reshape(rows, cols)
+    else:
+        out = q.float() * _expand_blocks(scale_inv.float(), tuple(block), rows, cols)
+    return out.to(dtype)
 
 
 def quantize_per_channel(w: torch.Tensor, scale_fmt: ScaleFmt = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,11 +102,12 @@ def fake_quantize_activation_groups(x: torch.Tensor, group: int = 128, scale_fmt
     if cols <= group or cols % group == 0:
         # the groups tile each row: a [rows, groups, width] view broadcasts the scales instead of expanding them
         # (the rollout engine runs this on every linear of every decoding step); the same fp32 operations
-        # element by element, so the same bits as the general path below (tests/precision/test_w8a8.py)
-        xg = x.reshape(-1, 1, cols) if cols <= group else x.reshape(-1, cols // group, group)
+        # element by element, so the same bits as the general path below (tests/precision/test_hf_fp8.py)
+        xf = _f32(x)
+        xg = xf.reshape(-1, 1, cols) if cols <= group else xf.reshape(-1, cols // group, group)
         s = _scale_inv(_abs_no_nan(xg).amax(dim=-1, keepdim=True), scale_fmt)
-        q = torch.clamp(xg.float() / s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        return (q.float() * s).reshape(x.shape).to(x.dtype)
+        out = _round_to_fp8_(xg / s, "e4m3").mul_(s).reshape(x.shape)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
     q, s = quantize_activation_groups(x, group, scale_fmt)
     x2d = q.reshape(-1, x.shape[-1])
     out = dequantize_blockwise(x2d, s.reshape(x2d.shape[0], -1), (1, group))

@@ -23,6 +23,57 @@ from megatron_rl.precision.blockwise import (
 from megatron_rl.precision.hf_fp8 import SCALE_SUFFIX, is_quantized_weight, load_fp8_checkpoint, weight_block_size
 
 
+class SharedActivation:
+    """The fake-quantized input of sibling W8A8Linears (q/k/v, gate/up) within one forward of their parent module.
+
+    HF attention and MLP blocks feed one tensor to several projections; with the same activation
+    layout its fake-quant is the same tensor, so it is computed once (the first sibling) and reused
+    while the input is that same, unmodified tensor object (its version counter, where it has one:
+    inference tensors have none, and the parent scope below is the guard). The parent's forward
+    hooks clear it on entry and exit, so nothing outlives the parent's call.
+    """
+
+    def __init__(self):
+        """Empty."""
+        self.clear()
+
+    def clear(self, *args) -> None:
+        """Forget the held input (also usable as a forward hook)."""
+        self._x, self._version, self._layout, self._xq = None, None, None, None
+
+    def fake_quantized(self, x: torch.Tensor, layout: tuple[int, str]) -> torch.Tensor:
+        """fake_quantize_activation_groups(x.float(), *layout), reused when x is the input it last saw."""
+        version = None if x.is_inference() else x._version
+        if x is self._x and version == self._version and layout == self._layout:
+            return self._xq
+        xq = fake_quantize_activation_groups(x.float(), *layout)
+        self._x, self._version, self._layout, self._xq = x, version, layout, xq
+        return xq
+
+
+def share_sibling_inputs(model: torch.nn.Module) -> int:
+    """Give the W8A8Linear children of every module one SharedActivation, cleared around that module's forward.
+
+    Idempotent (a weight sync reloads into the same modules); returns the number of groups. Sharing
+    changes no value: a sibling reuses exactly the tensor it would have computed.
+    """
+    groups = 0
+    for parent in model.modules():
+        children = [m for m in parent.children() if isinstance(m, W8A8Linear)]
+        if len(children) < 2:
+            continue
+        shared = getattr(parent, "_w8a8_shared_input", None)
+        if shared is None:
+            shared = SharedActivation()
+            parent._w8a8_shared_input = shared
+            parent.register_forward_pre_hook(shared.clear)
+            parent.register_forward_hook(shared.clear)
+        for child in children:
+            child.shared_input = shared
+        groups += 1
+    return groups
+
+
 class W8A8Linear(torch.nn.Module):
     """Linear with a block-FP8 weight and per-token 1 x group FP8 activations (emulated)."""
 
@@ -38,6 +89,8 @@ class W8A8Linear(torch.nn.Module):
         self.register_buffer("weight_scale_inv", scale_inv.detach().float().clone(), persistent=False)
         self.register_buffer("weight_dq", self._dequant(), persistent=False)
         self.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+        self.shared_input: Optional[SharedActivation] = None
+        """Set by share_sibling_inputs: where siblings fed the same input find its fake-quant."""
 
     def _dequant(self) -> torch.Tensor:
         """fp32 q * scale_inv of the held weight."""
@@ -53,7 +106,10 @@ class W8A8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """y = fq(x) @ dequant(W)^T (+ b), fp32 accumulate, in x's dtype."""
-        xq = fake_quantize_activation_groups(x.float(), self.act_group, self.act_scale_fmt)
+        if self.shared_input is not None:
+            xq = self.shared_input.fake_quantized(x, (self.act_group, self.act_scale_fmt))
+        else:
+            xq = fake_quantize_activation_groups(x.float(), self.act_group, self.act_scale_fmt)
         y = xq @ self.weight_dq.t()
         if self.bias is not None:
             y = y + self.bias.float()
@@ -104,6 +160,7 @@ def apply_fp8_state_dict(model: torch.nn.Module, tensors: Mapping[str, torch.Ten
     missing = [m for m in missing if m not in tied and not any(m.startswith(f"{n}.") for n in converted)]
     if missing or unexpected:
         raise KeyError(f"FP8 checkpoint does not match the model: missing={missing[:8]}, unexpected={list(unexpected)[:8]}")
+    share_sibling_inputs(model)
     return converted
 
 
@@ -138,6 +195,7 @@ def convert_to_w8a8(model: torch.nn.Module, mode: str = "fp8-blockwise", scale_f
             new = W8A8Linear(q, s, module.bias, (1, w.shape[1]), w.shape[1], scale_fmt)
         _set_submodule(model, name, new.to(w.device))
         converted.append(name)
+    share_sibling_inputs(model)
     return converted
 
 

@@ -192,3 +192,105 @@ def test_amax_helpers():
     assert_same_bits(nx.tensor_amax(x), ref.tensor_amax(x))
     assert_same_bits(nx.tensor_amax(torch.empty(0, 4)), ref.tensor_amax(torch.empty(0, 4)))
     assert_same_bits(nx.tensor_amax(torch.full((5,), math.nan)), ref.tensor_amax(torch.full((5,), math.nan)))
+
+
+# ----------------------------------------------------------------- checkpoint-convention quantizers (rollout side)
+@pytest.mark.parametrize("shape", [(64, 64), (256, 64), (136, 200), (128, 256), (1, 1), (300, 128)])
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+def test_checkpoint_weight_quantizers(shape, scale_fmt):
+    """quantize_blockwise (128x128, tiled, cut to a small tensor, ragged), per-channel and dequantize_blockwise keep their bits."""
+    from megatron_rl.precision import blockwise as bw
+
+    for w in _inputs(shape, sum(shape) + 5):
+        w = w.float()
+        for block in ((128, 128), (1, shape[1]), (32, 16)):
+            q, s = bw._quantize_2d(w, block, scale_fmt)
+            rq, rs = ref._quantize_2d(w, block, scale_fmt)
+            assert_same_bits(q, rq)
+            assert_same_bits(s, rs)
+            assert_same_bits(bw.dequantize_blockwise(q, s, block), ref.dequantize_blockwise(rq, rs, block))
+        q, s = bw.quantize_blockwise(w, (128, 128), scale_fmt)
+        rq, rs = ref.quantize_blockwise(w, (128, 128), scale_fmt)
+        assert_same_bits(q, rq)
+        assert_same_bits(s, rs)
+
+
+@pytest.mark.parametrize("cols, group", [(64, 128), (128, 128), (256, 128), (200, 128), (32, 16), (100, 128), (7, 128)])
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_activation_fake_quant(cols, group, scale_fmt, rows):
+    """The engine's per-token 1 x group activation fake-quant: both paths, fp32 and bf16, 3-D inputs, specials."""
+    from megatron_rl.precision import blockwise as bw
+
+    for x in _inputs((rows, cols), rows + cols + group):
+        for shaped in (x, x.reshape(1, rows, cols)):
+            assert_same_bits(bw.fake_quantize_activation_groups(shaped, group, scale_fmt),
+                             ref.fake_quantize_activation_groups(shaped, group, scale_fmt))
+        q, s = bw.quantize_activation_groups(x, group, scale_fmt)
+        rq, rs = ref.quantize_activation_groups(x, group, scale_fmt)
+        assert_same_bits(q, rq)
+        assert_same_bits(s, rs)
+
+
+# ----------------------------------------------------------------- the engine's W8A8 model: one fake-quant per shared input
+def _w8a8_qwen3(hidden: int, mode: str):
+    """A 2-layer HF Qwen3 with its transformer linears converted to W8A8 (the embedded engine's FP8 model)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from megatron_rl.precision.w8a8 import convert_to_w8a8
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=96, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=64)
+    model = Qwen3ForCausalLM(cfg).eval()
+    convert_to_w8a8(model, mode)
+    return model
+
+
+@pytest.mark.parametrize("hidden, mode", [(64, "fp8-blockwise"), (160, "fp8-blockwise"), (64, "fp8-channel")])
+def test_w8a8_siblings_quantize_a_shared_input_once(hidden, mode, monkeypatch):
+    """q/k/v and gate/up reuse one fake-quant of their input: 4 instead of 7 per layer, logits bitwise those without sharing."""
+    from megatron_rl.precision import w8a8
+
+    model = _w8a8_qwen3(hidden, mode)
+    linears = [m for m in model.modules() if isinstance(m, w8a8.W8A8Linear)]
+    assert all(m.shared_input is not None for m in linears)
+    calls = []
+    original = w8a8.fake_quantize_activation_groups
+    monkeypatch.setattr(w8a8, "fake_quantize_activation_groups", lambda *a: calls.append(1) or original(*a))
+    ids = torch.randint(0, 96, (3, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        shared = model(ids).logits
+    assert len(calls) == 4 * 2  # per layer: q/k/v once, o_proj, gate/up once, down_proj
+    for m in linears:
+        m.shared_input = None
+    calls.clear()
+    with torch.no_grad():
+        alone = model(ids).logits
+    assert len(calls) == 7 * 2
+    assert_same_bits(shared, alone)
+    assert w8a8.share_sibling_inputs(model) == 2 * 2  # idempotent: the hooks are not registered twice
+    assert all(len(m._forward_pre_hooks) == 1 for m in model.modules() if hasattr(m, "_w8a8_shared_input"))
+
+
+def test_w8a8_shared_input_is_recomputed_for_a_changed_input():
+    """An input modified in place between two siblings (its version moves), or a different tensor, is quantized afresh."""
+    from megatron_rl.precision import w8a8
+
+    model = _w8a8_qwen3(64, "fp8-blockwise")
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        attn._w8a8_shared_input.clear()
+        q1 = attn.q_proj(x)
+        x.mul_(3.0)
+        k_after = attn.k_proj(x)
+        attn._w8a8_shared_input.clear()
+        k_fresh = attn.k_proj(x)
+        y = x.clone()
+        v_other = attn.v_proj(y)
+        attn.v_proj.shared_input = None
+        v_alone = attn.v_proj(y)
+    assert_same_bits(k_after, k_fresh)
+    assert_same_bits(v_other, v_alone)
+    assert not torch.equal(q1, attn.q_proj(x))  # q1 came from the input before it was scaled
