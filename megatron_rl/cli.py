@@ -29,10 +29,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, applied in order")
 
 
-def _load(args, check_layout: bool = True, check_device: bool = True):
+def _load(args, check_layout: bool = True, check_device: bool = True, engine_device: bool = True):
     from megatron_rl.config import load_config
 
-    return load_config(args.config, args.overrides, check_layout=check_layout, check_device=check_device)
+    return load_config(args.config, args.overrides, check_layout=check_layout, check_device=check_device,
+                       engine_device=engine_device)
 
 
 def cmd_train(args) -> int:
@@ -159,7 +160,7 @@ def cmd_plan(args) -> int:
     from megatron_rl.plan.report import run
 
     # plan names each layout problem by code, and checks the recipe against --gpu rather than this machine
-    return run(_load(args, check_layout=False, check_device=False), args, title=args.config or "")
+    return run(_load(args, check_layout=False, check_device=False, engine_device=False), args, title=args.config or "")
 
 
 def cmd_study(args) -> int:

@@ -73,6 +73,7 @@ BROKEN = {
     "colocated-out-of-memory": dict(overrides=COLOCATED, nodes=1),
     "colocated-multi-node": dict(overrides=[*COLOCATED, "rollout.mem_fraction_static=0.3"], nodes=2),
     "recipe-unsupported-by-gpu": dict(overrides=["precision.recipe=mxfp8"], gpu="h200"),
+    "rollout-scales-requantized": dict(overrides=["precision.rollout_scale_fmt=fp32"], gpu="b200"),
 }
 WARNINGS = {
     "engine-gpus-idle": dict(overrides=["rollout.num_engines=7"]),

@@ -33,8 +33,8 @@ class PrecisionConfig(StrictConfig):
     """Blockwise recipe: round scales to powers of two (TE's default on GPU is True; FP32 scales when False)."""
     rollout_quantization: Literal["none", "fp8-blockwise", "fp8-channel"] = "none"
     """How the weights pushed to rollout engines are quantized: none, fp8-blockwise (SGLang fp8, 128x128 blocks), fp8-channel (SGLang w8a8_fp8, one scale per output channel); precision/rollout_formats.py."""
-    rollout_scale_fmt: Literal["fp32", "ue8m0"] = "fp32"
-    """Scale format of the blockwise rollout checkpoint (ue8m0 = power-of-two scales)."""
+    rollout_scale_fmt: Literal["auto", "fp32", "ue8m0"] = "auto"
+    """Scale format of the rollout weights (ue8m0 = power-of-two scales); auto = ue8m0 for fp8-blockwise on Blackwell (sm100) engines, whose SGLang requantizes block scales to UE8M0, else fp32 (CPU too); resolved when the config loads (precision/device.py)."""
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     """KV-cache dtype of the rollout engines: SGLang's --kv-cache-dtype; embedded engines emulate fp8_e4m3 (E4M3 K/V, per-tensor scales 1.0)."""
     fp4_hadamard_wgrad: bool = True

@@ -238,13 +238,15 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = (), check_layout: bool = True,
-                check_device: bool = True, device_facts=None) -> RunConfig:
+                check_device: bool = True, device_facts=None, engine_device: bool = True) -> RunConfig:
     """Build a RunConfig from an optional YAML file and dotted overrides (applied in order).
 
     `check_layout=False` accepts a TP/PP layout that does not split the model (for `megatron-rl plan`, which
     reports every problem of a layout by its code); everything else is checked. `check_device` also refuses
-    what this machine's device cannot run (`device_errors`; `device_facts` default: this process's, detected
-    once): `plan` checks against its --gpu instead, and `engines` nodes do not run the learner.
+    what this machine's device cannot run for the learner (`device_errors`; `device_facts` default: this
+    process's, detected once); `engine_device` resolves the engine-dependent `auto` values for engines on
+    this machine's kind of GPU and refuses what such engines would serve differently (`resolve_for_engines`).
+    `plan` does both against its --gpu instead; `engines` nodes do not run the learner (check_device=False).
     """
     tree: dict[str, Any] = {}
     source = "defaults"
@@ -261,11 +263,32 @@ def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()
         cfg = RunConfig.model_validate(tree, context={"check_layout": check_layout})
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, source)) from None
-    if check_device:
-        errors = device_errors(cfg, device_facts)
-        if errors:
-            raise ConfigError(f"{source}: " + "; ".join(errors))
+    errors = device_errors(cfg, device_facts) if check_device else []
+    if engine_device:
+        cfg, engine_errors = resolve_for_engines(cfg, device_facts)
+        errors += engine_errors
+    if errors:
+        raise ConfigError(f"{source}: " + "; ".join(errors))
     return cfg
+
+
+def resolve_for_engines(cfg: RunConfig, facts=None) -> tuple[RunConfig, list[str]]:
+    """(cfg with precision.rollout_scale_fmt auto made concrete, problems) for the rollout engines of this run.
+
+    Engines we start (sglang) or reach (external) are taken to be on this machine's kind of GPU (a cluster of
+    one GPU kind; set the field explicitly otherwise); embedded engines run on CPU. Detection happens only
+    for blockwise FP8 rollouts on GPU engines, the one case where the answer depends on the GPU.
+    """
+    from megatron_rl.precision import device
+
+    prec = cfg.precision
+    capability = None
+    if prec.rollout_quantization == "fp8-blockwise" and cfg.rollout.engine != "embedded":
+        capability = (facts if facts is not None else device.detect_device_facts()).capability
+    fmt = device.rollout_scale_fmt_for(prec, capability)
+    if fmt != prec.rollout_scale_fmt:
+        cfg = cfg.model_copy(update={"precision": prec.model_copy(update={"rollout_scale_fmt": fmt})})
+    return cfg, device.engine_device_errors(cfg.precision, capability)
 
 
 def device_errors(cfg: RunConfig, facts=None) -> list[str]:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from megatron_rl.plan import checks, memory, throughput
 from megatron_rl.plan.checks import Finding
 from megatron_rl.plan.hardware import GIB, DeviceSpec, get_device
+from megatron_rl.precision.device import engine_device_errors, rollout_scale_fmt_for
 
 
 @dataclass
@@ -110,6 +111,14 @@ class Plan:
     """rollout.colocate_offload: optimizer states and gradients leave the GPU while colocated engines run."""
     learner_beside_engines: int = 0
     """Bytes a learner rank keeps on the GPU while colocated engines run (0 when not colocated; LearnerMemory.beside_engines)."""
+    recipe: str = "none"
+    """precision.recipe of the learner."""
+    rollout_quantization: str = "none"
+    """precision.rollout_quantization of the weights sent to the engines."""
+    rollout_scale_fmt_requested: str = "auto"
+    """precision.rollout_scale_fmt as configured (auto, fp32 or ue8m0)."""
+    rollout_scale_fmt: str = "fp32"
+    """precision.rollout_scale_fmt as the engines of this allocation get it (auto resolved for the --gpu engines)."""
 
     @property
     def ok(self) -> bool:
@@ -171,6 +180,10 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     findings = checks.architecture_checks(arch, lay.tp, lay.pp, lay.vpp)
     findings += checks.fp8_alignment_checks(arch, lay.tp, prec.recipe)
     findings += checks.recipe_device_checks(prec.recipe, device.name, device.compute_capability)
+    engine_cc = None if lay.engine_kind == "embedded" else device.compute_capability  # embedded engines: CPU
+    scale_fmt = rollout_scale_fmt_for(prec, engine_cc)
+    findings += [Finding("rollout-scales-requantized", "error", f"{e} ({device.name})")
+                 for e in engine_device_errors(prec.model_copy(update={"rollout_scale_fmt": scale_fmt}), engine_cc)]
     findings += checks.allocation_checks(nodes=nodes, gpus_per_node=gpus_per_node,
                                          engine_gpus_per_node=lay.engine_gpus // max(lay.engine_nodes, 1),
                                          engine_tp=r.engine_tp_size, engine_nodes=lay.engine_nodes,
@@ -270,7 +283,9 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                 weight_sync_bytes=payload, calibration_bytes_per_calibration_step=calib_step,
                 calibration_bytes_per_step=calib_per_step, flops=flops, decode_tokens_per_s=decode, step_time=step,
                 tokens_per_step=tokens, options=opt, colocate_offload=r.colocate_offload,
-                learner_beside_engines=lm.beside_engines(r.colocate_offload) if lay.placement == "colocated" else 0)
+                learner_beside_engines=lm.beside_engines(r.colocate_offload) if lay.placement == "colocated" else 0,
+                recipe=prec.recipe, rollout_quantization=prec.rollout_quantization,
+                rollout_scale_fmt_requested=prec.rollout_scale_fmt, rollout_scale_fmt=scale_fmt)
 
 
 def _engine_findings(em: memory.EngineMemory, lay: Layout, lm: memory.LearnerMemory, device: DeviceSpec,

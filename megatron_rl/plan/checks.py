@@ -30,6 +30,7 @@ CODES = {
     "sequence-exceeds-max-seq-len": "prompt + response, padded, exceeds model.max_seq_len",
     "fp8-gemm-misaligned": "an FP8 GEMM dimension per TP rank is not a multiple of 16 (32 for MXFP8)",
     "recipe-unsupported-by-gpu": "the GPU's compute capability cannot run precision.recipe (Transformer Engine's support checks)",
+    "rollout-scales-requantized": "the engines' SGLang would requantize fp32 block scales to UE8M0 (sm100): other bits than sent",
     "learner-out-of-memory": "the learner's peak memory exceeds the GPU",
     "engine-weights-exceed-pool": "the served weights do not fit mem_fraction_static of an engine GPU",
     "kv-cache-below-one-sequence": "the KV cache cannot hold one full-length sequence",

@@ -22,6 +22,18 @@ def _capability(device: str) -> str:
     return f" (compute capability {cc[0]}.{cc[1]})" if cc else ""
 
 
+def _rollout_weights(plan: Plan) -> str:
+    if plan.rollout_quantization == "none":
+        return "high precision (precision.rollout_quantization=none)"
+    chosen = plan.rollout_scale_fmt
+    how = (f"precision.rollout_scale_fmt=auto -> {chosen}" if plan.rollout_scale_fmt_requested == "auto"
+           else f"precision.rollout_scale_fmt={chosen}")
+    if plan.rollout_quantization == "fp8-blockwise" and plan.rollout_scale_fmt_requested == "auto":
+        how += (": the engines' SGLang requantizes block scales to UE8M0 for DeepGEMM on sm100, so the learner sends "
+                "UE8M0" if chosen == "ue8m0" else ": these engines keep fp32 block scales")
+    return f"{plan.rollout_quantization}, {chosen} scales ({how})"
+
+
 def render(plan: Plan, title: str = "") -> str:
     """The report: layout, findings, memory, traffic and time, each line naming its formula's source."""
     lay, lm, em, st = plan.layout, plan.learner_memory, plan.engine_memory, plan.step_time
@@ -31,6 +43,7 @@ def render(plan: Plan, title: str = "") -> str:
              f"  engines: {lay.engine_gpus} GPU(s) on {lay.engine_nodes} node(s), {lay.engine_replicas} replica(s)",
              f"  learner: {lay.learner_gpus} GPU(s) = TP {lay.tp} x PP {lay.pp}{f' (VPP {lay.vpp})' if lay.vpp else ''} "
              f"x CP {lay.cp} x DP {lay.dp}; training sequences {plan.seq_len} tokens",
+             f"precision: learner recipe {plan.recipe}; rollout weights {_rollout_weights(plan)}",
              "checks:"]
     for f in plan.findings:
         lines.append(f"  [{f.level:7}] {f.code}: {f.message}")
@@ -121,4 +134,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("overrides", nargs="*")
     add_arguments(p)
     args = p.parse_args(argv)
-    return run(load_config(args.config, args.overrides, check_layout=False, check_device=False), args, title=args.config)
+    return run(load_config(args.config, args.overrides, check_layout=False, check_device=False,
+                           engine_device=False), args, title=args.config)

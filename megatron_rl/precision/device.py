@@ -125,3 +125,49 @@ def learner_device_errors(precision, facts: DeviceFacts) -> list[str]:
         return []
     error = recipe_capability_error(precision.recipe, facts.capability)
     return [error] if error else []
+
+
+# ---------------------------------------------------------------------------------------------- rollout engines
+def engine_requantizes_block_scales(capability: Optional[Capability]) -> bool:
+    """True when SGLang on a GPU of `capability` rewrites 128x128 block-FP8 weight scales to UE8M0 (powers of two).
+
+    sglang 0.5.23: layers/deep_gemm_wrapper/configurer.py sets DEEPGEMM_SCALE_UE8M0 when DeepGEMM is enabled
+    (SGLANG_ENABLE_JIT_DEEPGEMM, default on, compute capability >= 9.0) on sm100 (or sm120/121);
+    model_loader/utils.py should_deepgemm_weight_requant_ue8m0 then asks for the requant, except on sm120
+    for dense (non-MoE) GEMMs; layers/quantization/fp8.py Fp8LinearMethod.process_weights_after_loading_block_quant
+    calls fp8_utils.requant_block_scale_ue8m0_for_deepgemm for 128x128 blocks (scales not yet marked UE8M0,
+    bf16 output, N % 64 == K % 128 == 0), which dequantizes and re-quantizes the weight with ceil-to-UE8M0
+    scales (requant_weight_ue8m0, per_block_cast_to_fp8). It runs at load and again after every update
+    (model_executor/model_runner_components/weight_updater.py end_weight_update -> postprocess_weights).
+    So on sm100 only power-of-two scales survive unchanged in value: the learner must send UE8M0 scales.
+    """
+    return capability is not None and capability[0] == 10
+
+
+def rollout_scale_fmt_for(precision, engine_capability: Optional[Capability]) -> str:
+    """precision.rollout_scale_fmt made concrete for engines on a GPU of `engine_capability` (None: CPU engines).
+
+    auto -> ue8m0 for blockwise FP8 rollouts served by engines that requantize block scales (sm100), fp32
+    otherwise (CPU and embedded engines keep their numbers); an explicit fp32 / ue8m0 stays as given.
+    """
+    fmt = precision.rollout_scale_fmt
+    if fmt != "auto":
+        return fmt
+    blockwise = precision.rollout_quantization == "fp8-blockwise"
+    return "ue8m0" if blockwise and engine_requantizes_block_scales(engine_capability) else "fp32"
+
+
+def engine_device_errors(precision, engine_capability: Optional[Capability]) -> list[str]:
+    """Why engines on a GPU of `engine_capability` would not serve the bits the learner sends ([] when they would).
+
+    An `auto` still unresolved here (a PrecisionConfig built in code, never through load_config) means fp32.
+    """
+    fmt = precision.rollout_scale_fmt
+    if (precision.rollout_quantization == "fp8-blockwise" and fmt in ("fp32", "auto")
+            and engine_requantizes_block_scales(engine_capability)):
+        unresolved = " (auto left unresolved, which quantizes with fp32 scales)" if fmt == "auto" else ""
+        return [f"precision.rollout_scale_fmt={fmt}{unresolved} with fp8-blockwise rollouts on engines of compute capability "
+                f"{_cc(engine_capability)}: SGLang requantizes the block scales to UE8M0 for DeepGEMM at load and at "
+                "every weight update, so the engines would serve other bits than the learner sent; set "
+                "precision.rollout_scale_fmt=ue8m0 (or auto, which chooses it there)"]
+    return []

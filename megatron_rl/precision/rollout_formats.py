@@ -75,16 +75,23 @@ def _none(precision) -> RolloutFormat:
     return RolloutFormat("none")
 
 
+def scale_fmt(precision) -> ScaleFmt:
+    """The rollout weights' scale format: load_config has made precision.rollout_scale_fmt concrete for the engines'
+    GPU; an `auto` left unresolved (a PrecisionConfig built in code) is fp32, the value on CPU engines."""
+    fmt = precision.rollout_scale_fmt
+    return "fp32" if fmt == "auto" else fmt
+
+
 def _blockwise(precision) -> RolloutFormat:
     from megatron_rl.precision.hf_fp8 import quantization_config
 
-    fmt: ScaleFmt = precision.rollout_scale_fmt
+    fmt = scale_fmt(precision)
     return RolloutFormat("fp8-blockwise", quantization_config(BLOCK, fmt), "fp8", SCALE_SUFFIX,
                          lambda w: quantize_blockwise(w, BLOCK, fmt))
 
 
 def _channel(precision) -> RolloutFormat:
-    fmt: ScaleFmt = precision.rollout_scale_fmt
+    fmt = scale_fmt(precision)
     # ue8m0 makes each row's scale a power of two; it is still stored as fp32, as w8a8_fp8 reads it
     return RolloutFormat("fp8-channel", {"quant_method": "w8a8_fp8", "fmt": "e4m3", "activation_scheme": "dynamic"},
                          "w8a8_fp8", CHANNEL_SCALE_SUFFIX, lambda w: quantize_per_channel(w, fmt))

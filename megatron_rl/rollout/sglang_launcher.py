@@ -161,15 +161,22 @@ def sglang_specs(cfg, precision, launch_path: str, groups: Sequence[Sequence[int
 
 def launch_sglang_engines(cfg, precision, model_path: str, log_dir: Optional[str] = None,
                           launch_dir: Optional[str] = None, learner_gpus: Optional[int] = None,
-                          visible_gpus: Optional[int] = None) -> RolloutCluster:
+                          visible_gpus: Optional[int] = None, engine_capability=None) -> RolloutCluster:
     """Start cfg.num_engines SGLang servers on this node's free GPUs, wait for /health, then the router if asked.
 
     `launch_dir` receives the rollout-format launch checkpoint when `model_path` must be quantized
     first (default: beside the logs); `learner_gpus` / `visible_gpus` default to this node's facts
-    (`node_gpu_groups`).
+    (`node_gpu_groups`); `engine_capability` (default: this node's GPU) decides whether these engines would
+    requantize the weights' block scales, in which case anything but UE8M0 scales is refused before any start.
     """
+    from megatron_rl.precision.device import detect_device_facts, engine_device_errors
     from megatron_rl.precision.rollout_formats import write_launch_checkpoint
 
+    if engine_capability is None:
+        engine_capability = detect_device_facts().capability
+    errors = engine_device_errors(precision, engine_capability)
+    if errors:
+        raise LaunchError("; ".join(errors))
     groups = node_gpu_groups(cfg, visible_gpus, learner_gpus)
     check_sglang_python(cfg.sglang_python)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
