@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_rl.config.yaml_io import load_yaml_file
+from megatron_rl.study.hp_measure import flat_values, read_measurements
 
 CALIBRATION_ROW_KEYS = ("hp/clipfrac_lower_neg",)
 """A metrics row is a calibration (shadow) step when one of these is a finite number (under bounds_update per_step
@@ -30,9 +31,13 @@ class MetricDef:
     key: str
     reduce: str
     """mean (finite values over all steps), window (steps from the spec's from_step on), tail (last tail_fraction of
-    steps), max, calib (calibration steps), eval."""
+    steps), max, calib (calibration steps), eval, measured (the final checkpoint's hp_measure.json entry)."""
     definition: str
 
+
+HP_SAMPLED = ("rollout.n_samples_per_prompt completions each (the run's sampling settings) of a fixed seeded set of "
+              "training prompts, the same in every arm and seed (`megatron-rl study SPEC --hp-measure`)")
+"""How the hp-measured sampled metrics are formed (megatron_rl/study/hp_measure.py)."""
 
 METRICS = (
     MetricDef("clipfrac_lower_neg", "clipfrac_lower_neg", "mean",
@@ -48,15 +53,31 @@ METRICS = (
               "fraction of positive-advantage tokens whose ratio is above the upper bound H; mean over all steps"),
     MetricDef("entropy (last)", "entropy", "tail", "mean token entropy of the policy; mean over the last tail_fraction of steps"),
     MetricDef("entropy (max)", "entropy", "max", "largest per-step mean token entropy (an entropy surge shows here)"),
+    MetricDef("entropy after RL, high-precision forward", "hp/entropy", "measured",
+              "mean token entropy of the final weights under an fp32 HF forward, over the completions a high-precision "
+              "engine sampled: " + HP_SAMPLED),
     MetricDef("reward (last)", "reward/mean", "tail", "mean rollout reward; mean over the last tail_fraction of steps"),
     MetricDef("reward (mean)", "reward/mean", "mean", "mean rollout reward; mean over all steps"),
+    MetricDef("sampled reward after RL, high-precision engine", "hp/reward_mean", "measured",
+              "mean reward of the final weights served by a high-precision engine (fp32, nothing quantized): " + HP_SAMPLED),
+    MetricDef("sampled reward after RL, own engine (same prompts)", "own/reward_mean", "measured",
+              "the same through an engine in the arm's own rollout precision: the same weights and prompts"),
     MetricDef("held-out accuracy before RL", "eval_before", "eval", "greedy accuracy on the held-out prompts before the first RL step"),
     MetricDef("held-out accuracy after RL", "eval_after", "eval", "greedy accuracy on the held-out prompts after the last RL step"),
+    MetricDef("held-out accuracy after RL, high-precision engine", "hp/greedy_accuracy", "measured",
+              "greedy accuracy of the final weights served by a high-precision engine (the run's evaluation function; "
+              "its held-out prompts unless hp_measure.json's settings name another count)"),
+    MetricDef("held-out accuracy after RL, own engine (remeasured)", "own/greedy_accuracy", "measured",
+              "the same through an engine in the arm's own rollout precision (equals the run's own figure on the same prompts)"),
     MetricDef("malformed (last)", "malformed/train", "tail",
               "fraction of sampled answers that do not parse in the task's format (garbled outputs); mean over the last tail_fraction of steps"),
     MetricDef("malformed (max)", "malformed/train", "max", "largest per-step malformed fraction of sampled answers (a burst of garbled outputs shows here)"),
+    MetricDef("malformed after RL (sampled), high-precision engine", "hp/sampled_malformed", "measured",
+              "fraction of the high-precision engine's sampled answers that do not parse in the task's format: " + HP_SAMPLED),
     MetricDef("held-out malformed after RL", "eval_malformed_after", "eval",
               "fraction of greedy held-out answers that do not parse in the task's format, after the last RL step"),
+    MetricDef("held-out malformed after RL, high-precision engine", "hp/greedy_malformed", "measured",
+              "the same fraction of the final weights' greedy answers through a high-precision engine"),
     MetricDef("L (lower bound)", "calib/lower", "mean", "lower clip bound in force (1 - eps_low unless calibrated); mean over all steps"),
     MetricDef("H (upper bound)", "calib/upper", "mean", "upper clip bound in force (1 + eps_high unless calibrated); mean over all steps"),
     MetricDef("alpha target", "calib/alpha_target", "calib",
@@ -65,6 +86,9 @@ METRICS = (
               "fraction of negative tokens' low-precision ratios below the solved L; mean over calibration steps"),
     MetricDef("log-ratio error (shadow)", "fp8/log_ratio_abs_err", "mean",
               "mean per-token |low-precision minus high-precision log-ratio|; mean over the steps that ran the shadow pass"),
+    MetricDef("rollout log-prob error after RL, own engine", "own/logprob_gap", "measured",
+              "mean per-token |log-prob the arm's own engine reported - fp32 forward log-prob| of its sampled tokens, "
+              "final weights (the rollout's measurement error; about 1e-6 for a high-precision engine)"),
 )
 """The RESULTS.md table, in order."""
 
@@ -74,10 +98,11 @@ def _finite(v: Any) -> bool:
 
 
 def run_value(rows: Sequence[dict], metric: MetricDef, tail_fraction: float, evals: dict[str, float],
-              from_step: int = 0) -> float:
-    """One run's value of `metric` (nan when the run has no finite value for it)."""
-    if metric.reduce == "eval":
-        v = evals.get(metric.key, math.nan)
+              from_step: int = 0, measured: Optional[dict[str, float]] = None) -> float:
+    """One run's value of `metric` (nan when the run has no finite value for it); `measured`: the final
+    checkpoint's hp_measure values ('<view>/<field>')."""
+    if metric.reduce in ("eval", "measured"):
+        v = (evals if metric.reduce == "eval" else measured or {}).get(metric.key, math.nan)
         return float(v) if _finite(v) else math.nan
     if metric.reduce == "window":
         rows = [r for r in rows if r.get("step", 0) >= from_step]
@@ -145,6 +170,10 @@ class RunRecord:
     """Wall time of the runner's invocations of this run (all attempts)."""
     config: Optional[dict] = None
     """The run's resolved config.yaml."""
+    measured: dict[str, float] = field(default_factory=dict)
+    """hp_measure.json values of the final checkpoint ('<view>/<field>', e.g. hp/greedy_accuracy)."""
+    measured_steps: dict[int, dict[str, float]] = field(default_factory=dict)
+    """hp_measure.json values of every measured checkpoint step."""
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -210,11 +239,14 @@ def collect(study, steps: int) -> list[RunRecord]:
         else:
             status = "missing"
         cfg_path = run_dir / "config.yaml"
+        hp = read_measurements(run_dir) if run_dir.exists() else None
+        by_step = {int(k): flat_values(hp, int(k)) for k in (hp or {}).get("steps", {})}
         records.append(RunRecord(
             arm=arm, seed=seed, run_dir=run_dir, status=status, rows=read_rows(run_dir),
             evals={k: float(state[k]) for k in EVAL_KEYS if state and _finite(state.get(k))},
             wall_s=sum(float(a.get("wall_s", 0.0)) for a in attempts),
             config=load_yaml_file(cfg_path) if cfg_path.exists() else None,
+            measured=by_step.get(steps - 1, {}), measured_steps={k: v for k, v in sorted(by_step.items()) if v},
         ))
     return records
 
@@ -225,7 +257,8 @@ def arm_stats(records: Sequence[RunRecord], arms: Sequence[str], tail_fraction: 
     out: dict[str, dict[str, SeedStats]] = {}
     for arm in arms:
         runs = [r for r in records if r.arm == arm and r.status == "done"]
-        out[arm] = {m.label: SeedStats([run_value(r.rows, m, tail_fraction, r.evals, from_step) for r in runs]) for m in METRICS}
+        out[arm] = {m.label: SeedStats([run_value(r.rows, m, tail_fraction, r.evals, from_step, r.measured) for r in runs])
+                    for m in METRICS}
     return out
 
 
@@ -249,6 +282,8 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
     spec = study.spec
     arms = [a.name for a in spec.arms]
     stats = arm_stats(records, arms, spec.tail_fraction, spec.from_step)
+    # hp-measured rows only once some run was measured (megatron-rl study SPEC --hp-measure)
+    shown = [m for m in METRICS if m.reduce != "measured" or any(m.key in r.measured for r in records)]
     tail_pct = f"{100 * spec.tail_fraction:g}%"
     label = lambda m: m.label.replace("(last)", f"(last {tail_pct})").replace("step N", f"step {spec.from_step}")  # noqa: E731
     done = sum(r.status == "done" for r in records)
@@ -274,7 +309,7 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
         "## Results: mean ± std [min, max] over finished seeds",
         "",
         *_table(["metric", *arms],
-                [[label(m), *(stats[a][m.label].cell() for a in arms)] for m in METRICS]),
+                [[label(m), *(stats[a][m.label].cell() for a in arms)] for m in shown]),
         "",
     ]
     others = [a for a in arms if a != spec.reference]
@@ -286,9 +321,10 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
             "Clip fractions and log-ratio errors: ratio of seed means; everything else: difference of seed means.",
             "",
             *_table(["metric", *others],
-                    [[label(m), *(_relative(m, stats[a][m.label], ref[m.label]) for a in others)] for m in METRICS]),
+                    [[label(m), *(_relative(m, stats[a][m.label], ref[m.label]) for a in others)] for m in shown]),
             "",
         ]
+    lines += _measured_by_step(records, arms)
     lines += [
         "## Runs",
         "",
@@ -307,7 +343,7 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
         f"One value per run, then mean / sample std / min / max over the arm's finished seeds (tail_fraction = "
         f"{spec.tail_fraction:g}, from_step = {spec.from_step}).",
         "",
-        *(f"- **{m.label}** (`{m.key}`): {m.definition}." for m in METRICS),
+        *(f"- **{m.label}** (`{m.key}`): {m.definition}." for m in shown),
         "",
     ]
     if figures:
@@ -327,6 +363,35 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     return out
+
+
+BY_STEP_KEYS = (("hp/greedy_accuracy", "held-out accuracy, high-precision engine"),
+                ("hp/reward_mean", "sampled reward, high-precision engine"),
+                ("hp/entropy", "entropy, high-precision forward"),
+                ("own/reward_mean", "sampled reward, own engine (same prompts)"))
+"""Curves of the hp measurement over checkpoint steps, in RESULTS.md when a run has more than one step measured."""
+
+
+def _measured_by_step(records: Sequence[RunRecord], arms: Sequence[str]) -> list[str]:
+    """Tables of BY_STEP_KEYS against checkpoint step (mean [min, max] over the arm's finished seeds measured there)."""
+    done = [r for r in records if r.status == "done" and r.measured_steps]
+    if not any(len(r.measured_steps) > 1 for r in done):
+        return []
+    steps = sorted({s for r in done for s in r.measured_steps})
+    lines = ["## High-precision measurement by checkpoint step", "",
+             "Checkpoint step N holds the weights after step N. Mean [min, max] over the finished seeds measured at that step.", ""]
+    for key, title in BY_STEP_KEYS:
+        if not any(key in v for r in done for v in r.measured_steps.values()):
+            continue
+        rows = []
+        for step in steps:
+            cells = []
+            for arm in arms:
+                f = [r.measured_steps[step][key] for r in done if r.arm == arm and key in r.measured_steps.get(step, {})]
+                cells.append(f"{_fmt(sum(f) / len(f))} [{_fmt(min(f))}, {_fmt(max(f))}]" if f else "")
+            rows.append([step, *cells])
+        lines += [f"**{title}** (`{key}`)", "", *_table(["step", *arms], rows), ""]
+    return lines
 
 
 def _pct(v: Optional[float]) -> str:
