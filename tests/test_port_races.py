@@ -191,3 +191,12 @@ print("binds", binds)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "binds []"
+
+
+def test_what_counts_as_a_taken_port():
+    """The texts uvicorn / Python, sglang-router (Rust) and SGLang's own port wait print; nothing else retries."""
+    assert processes.port_taken("ERROR: [Errno 98] error while attempting to bind on address ('0.0.0.0', 30000): "
+                                "address already in use")
+    assert processes.port_taken("RuntimeError: Address already in use (os error 98)")
+    assert processes.port_taken("ValueError: port at 30001 is not available in 30 seconds.")
+    assert not processes.port_taken("FP8 DeepGEMM is not available in this build; CUDA out of memory")

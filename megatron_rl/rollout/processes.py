@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,10 +48,11 @@ from typing import Callable, Mapping, Optional, Sequence
 ROUTER_POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")
 PORT_ATTEMPTS = 3
 """Starts of a process on a probed port before a port taken each time is reported (see the module docstring)."""
-PORT_TAKEN_SIGNS = ("address already in use", "is not available in")
-"""What a start's output says when its port was taken (lower case): the OS's EADDRINUSE text, as uvicorn (SGLang's
-HTTP server), Python and Rust (sglang-router) print it, and SGLang's own port wait (python/sglang/srt/utils/network.py:
-wait_port_available, "... at <port> is not available in <n> seconds")."""
+PORT_TAKEN_SIGNS = (re.compile(r"address already in use", re.IGNORECASE),
+                    re.compile(r" at \d+ is not available in \d+ seconds"))
+"""What a start's output says when its port was taken: the OS's EADDRINUSE text, as uvicorn (SGLang's HTTP server),
+Python and Rust (sglang-router) print it, and SGLang's own port wait (python/sglang/srt/utils/network.py:
+wait_port_available, "<name> at <port> is not available in <n> seconds")."""
 
 log = logging.getLogger(__name__)
 
@@ -276,8 +278,7 @@ def _spawn(name: str, cmd: list[str], url: str, log_dir: str, env: Optional[dict
 
 def port_taken(output: str) -> bool:
     """Whether a start's output says its port was taken (`PORT_TAKEN_SIGNS`)."""
-    text = output.lower()
-    return any(sign in text for sign in PORT_TAKEN_SIGNS)
+    return any(sign.search(output) for sign in PORT_TAKEN_SIGNS)
 
 
 def wait_port_file(proc: ManagedProcess, path: str, timeout_s: float, poll_s: float = 0.05) -> int:
