@@ -173,3 +173,18 @@ def test_hp_measure_of_an_hp_arm_and_an_fp8_arm(warm, tmp_path):
     assert hp_measure.pending(runs["fp8"], "all", ("hp", "own"), settings) == []  # a rerun measures nothing
     with pytest.raises(ValueError, match="other settings"):
         hp_measure.pending(runs["fp8"], "all", ("hp",), hp_measure.settings_record(64, 0, None))
+
+
+def test_dose_table_adds_hp_rows_once_measured(tmp_path):
+    from megatron_rl.study.dose import write_dose_report
+
+    arms = [{"name": "hp", "overrides": {}}, {"name": "fp8_k4", "overrides": {
+        "precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0}}]
+    study = load_study(_spec(tmp_path, arms=arms))
+    for arm in ("hp", "fp8_k4"):
+        _fake_run(study, arm, 1, 1.0, dumps=False)
+    assert "high-precision" not in write_dose_report(study).read_text()
+    _measured(study.run_dir("fp8_k4", 1), {9: {"hp": {"greedy_accuracy": 0.75, "reward_mean": 0.5, "entropy": 0.25}}})
+    text = write_dose_report(study).read_text()
+    assert "| held-out accuracy after RL, high-precision engine | n/a | 0.75 [0.75, 0.75] |" in text
+    assert "| entropy after RL, high-precision forward | n/a | 0.25 [0.25, 0.25] |" in text

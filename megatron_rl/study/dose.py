@@ -19,6 +19,9 @@ from megatron_rl.study import results
 DOSE_METRICS = ("clipfrac_lower_neg", "reward (mean)", "reward (last)", "entropy (last)", "entropy (max)",
                 "malformed (last)", "held-out accuracy after RL", "held-out malformed after RL")
 """Rows of the dose table (labels of results.METRICS)."""
+DOSE_MEASURED = ("entropy after RL, high-precision forward", "sampled reward after RL, high-precision engine",
+                 "held-out accuracy after RL, high-precision engine")
+"""Further rows once runs were measured in high precision (`megatron-rl study SPEC --hp-measure`); not plotted."""
 
 
 def arm_dose(overrides: dict[str, Any]) -> tuple[Optional[float], bool]:
@@ -40,16 +43,17 @@ def dose_table(study) -> tuple[str, dict]:
     records = results.collect(study, study.spec.steps)
     names = [a.name for a in study.spec.arms]
     stats = results.arm_stats(records, names, study.spec.tail_fraction)
-    dose: dict[str, dict] = {m: {} for m in DOSE_METRICS}
+    measured = [m for m in DOSE_MEASURED if any(stats[a][m].finite for a in names)]
+    dose: dict[str, dict] = {m: {} for m in (*DOSE_METRICS, *measured)}
     ref_name = None
     for arm in study.spec.arms:
         k, calibrated = arm_dose(arm.overrides)
         if k is None:
             ref_name = ref_name or arm.name
-            for m in DOSE_METRICS:
+            for m in dose:
                 dose[m][None] = stats[arm.name][m]
             continue
-        for m in DOSE_METRICS:
+        for m in dose:
             dose[m][(k, calibrated)] = stats[arm.name][m]
     keys = sorted({key for m in dose.values() for key in m if key is not None}, key=lambda x: (x[1], x[0]))
     header = ["metric", *(f"{'calibrated' if c else 'vanilla'} k={k:g}" for k, c in keys)]
@@ -59,7 +63,7 @@ def dose_table(study) -> tuple[str, dict]:
              "Mean [min, max] over finished seeds; k multiplies the low-precision ratio error the clip decision sees "
              "(algo.experimental.clip_error_scale, experiment only).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for m in DOSE_METRICS:
+    for m in dose:
         row = [m] + ([_cell(dose[m][None])] if ref_name else []) + [_cell(dose[m][key]) for key in keys]
         lines.append("| " + " | ".join(row) + " |")
     seeds = {name: sum(r.status == "done" for r in records if r.arm == name) for name in names}
