@@ -120,7 +120,7 @@ def warm_start(config: Path, out: Path, depth: int, data: dict[str, str], say: C
 
 def sample_answers(hf: Path, rows, cfg, n: int, seed: int):
     """Samples (types.Sample, prompt-major groups of n) from the high-precision engine at the config's sampling settings."""
-    from megatron_rl.rollout.engine import Engine, GenerationRequest, SamplingParams
+    from megatron_rl.engine.generation import Engine, GenerationRequest, SamplingParams
     from megatron_rl.types import Sample
 
     engine = Engine(str(hf), tokenizer_path=str(hf))
@@ -144,7 +144,7 @@ def sample_answers(hf: Path, rows, cfg, n: int, seed: int):
 
 def greedy_accuracy(hf: Path, rows, reward_fn, is_malformed, max_new_tokens: int) -> dict[str, float]:
     """Held-out greedy accuracy (and malformed fraction) of an HF export, through the high-precision engine."""
-    from megatron_rl.rollout.engine import Engine, GenerationRequest, SamplingParams
+    from megatron_rl.engine.generation import Engine, GenerationRequest, SamplingParams
 
     engine = Engine(str(hf), tokenizer_path=str(hf))
     tok = engine.tokenizer
