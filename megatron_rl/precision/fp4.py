@@ -19,12 +19,14 @@ entry point is ``fake_quant_fp4``; ``quantize_fp4`` exposes the raw codes and sc
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 
-from megatron_rl.precision.numerics import E4M3_MAX, FP32_MAX, _abs_no_nan, cast_to_fp8
+from megatron_rl.precision.numerics import E4M3_MAX, FP32_MAX, _abs_no_nan, _f32, cast_to_fp8
 
 Fp4Format = Literal["nvfp4", "mxfp4"]
 
@@ -44,25 +46,34 @@ E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 Block = tuple[int, int]
 
 
+_ONE_BITS, _FOUR_BITS = 127 << 23, 129 << 23
+"""fp32 exponent fields of 1.0 and 4.0: the binade floors of the E2M1 steps 0.5, 1 and 2."""
+
+
 def round_e2m1(v: torch.Tensor, uniforms: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 v rounded onto the E2M1 grid, saturating at +-6: nearest-even, or stochastic given uniforms in [0, 1).
 
     Within each binade the grid is evenly spaced (step 0.5 below 2, 1 in [2, 4), 2 in [4, 6]) and
-    every binade edge is on the grid, so rounding |v| / step to an integer with torch.round (half to
-    even) picks the even E2M1 code; |v| / step and the products are exact in fp32. Stochastic
-    rounding adds one step when u < frac(|v| / step). NaN stays NaN, +-inf saturates to +-6, the
-    sign of zero is kept.
+    every binade edge is on the grid, so rounding |v| / step to an integer half to even picks the
+    even E2M1 code; |v| / step and the products are exact in fp32. Stochastic rounding adds one step
+    when u < frac(|v| / step). NaN stays NaN, +-inf saturates to +-6, the sign of zero is kept.
+
+    The step is 2^(e-1) for the binade 2^e of |v| with e clamped to [0, 2] (read off the exponent
+    bits); nearest-even rounding adds and subtracts C = step * 2^23, whose fp32 sum rounds half to
+    even at exactly that step (the old where/round/multiply form, kept in
+    tests/precision/quantizer_reference.py, gives the same bits).
     """
-    v = v.float()
-    a = torch.clamp(v.abs(), max=E2M1_MAX)
-    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0)).to(a.dtype)
-    units = a / step
+    v = _f32(v)
+    a = v.abs().clamp_(max=E2M1_MAX)
+    binade = (a.view(torch.int32) & 0x7F800000).clamp_(_ONE_BITS, _FOUR_BITS)  # NaN's exponent field clamps too
     if uniforms is None:
-        r = torch.round(units) * step
-    else:
-        low = torch.floor(units)
-        r = (low + (uniforms < units - low).to(a.dtype)) * step
-    return torch.copysign(r, v)
+        c = binade.add_(22 << 23).view(torch.float32)  # step * 2^23
+        return a.add_(c).sub_(c).copysign_(v)
+    step = binade.sub_(1 << 23).view(torch.float32)
+    units = a.div_(step)
+    low = torch.floor(units)
+    r = low.add_(uniforms < units.sub_(low)).mul_(step)
+    return r.copysign_(v)
 
 
 def nvfp4_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -72,17 +83,27 @@ def nvfp4_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     an overflowing quotient (amax < 2688 / FLT_MAX) becomes FLT_MAX, and amax = inf (quotient 0) gives 1.
     """
     amax = amax.float()
-    s = torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=amax.device) / amax
-    s = torch.clamp(s, max=FP32_MAX)
-    return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
+    s = (torch.full_like(amax, NVFP4_GLOBAL_NUMERATOR) / amax).clamp_(max=FP32_MAX)
+    return s.masked_fill_((amax == 0) | (s == 0), 1.0)
 
 
 def _pad_blocks(x2d: torch.Tensor, block: Block) -> torch.Tensor:
     """x2d zero-padded to whole blocks and viewed as [row blocks, br, col blocks, bc]."""
     br, bc = block
     rows, cols = x2d.shape
-    padded = torch.nn.functional.pad(x2d, (0, -cols % bc, 0, -rows % br))
+    pr, pc = -rows % br, -cols % bc
+    padded = torch.nn.functional.pad(x2d, (0, pc, 0, pr)) if pr or pc else _unpadded(x2d)
     return padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc)
+
+
+def _unpadded(x2d: torch.Tensor) -> torch.Tensor:
+    """What F.pad with zero padding returns, without its copy where that copy changes nothing.
+
+    F.pad then clones, keeping the layout of a dense tensor (contiguous or transposed), which x2d
+    itself has; only a non-dense view is cloned. Results (and the GEMMs reading them) thus see the
+    layouts they saw before.
+    """
+    return x2d if x2d.is_contiguous() or x2d.t().is_contiguous() else x2d.clone()
 
 
 @dataclass
@@ -146,13 +167,21 @@ def quantize_nvfp4(x2d: torch.Tensor, block: Block = (1, NVFP4_BLOCK), uniforms:
 
 def _nvfp4_blocks(xf: torch.Tensor, block: Block, uniforms: Optional[torch.Tensor], amax: Optional[torch.Tensor]):
     """(q, d) in the [nr, br, nc, bc] block view, s_b and s_enc: steps 2-7 of quantize_nvfp4."""
-    xb = _pad_blocks(xf, block)
-    amax_t = _abs_no_nan(xf).amax() if xf.numel() else torch.zeros((), device=xf.device)
+    xb = _pad_blocks(xf, block)  # may be a view of the caller's tensor: never written below
+    amax_b = _block_amax(xb)
+    # the max of the block maxes is the tensor's (NaN skipped alike, zero padding never wins)
+    amax_t = amax_b.amax() if xf.numel() else torch.zeros((), device=xf.device)
     s_enc = nvfp4_encode_scale(amax_t if amax is None else amax.reshape(()))
-    s_b = cast_to_fp8((_block_amax(xb) / E2M1_MAX) * s_enc, "e4m3")
+    s_b = cast_to_fp8((amax_b / E2M1_MAX) * s_enc, "e4m3")
     d = (s_b.float() / s_enc)[:, None, :, None]
-    q = round_e2m1(xb / d, _as_blocks(uniforms, xb))
-    q = torch.where(d == 0, xb * 0.0, q)
+    uniforms = _as_blocks(uniforms, xb)
+    if not xb.is_contiguous():
+        # the where() below also fixes the layout of q (and so of the GEMM operand): kept as it was
+        q = torch.where(d == 0, xb * 0.0, round_e2m1(xb / d, uniforms))
+        return q, d, s_b, s_enc
+    # where s_b = 0 the block's values are xb * 0.0 (signed zeros, NaN stays NaN; such a block holds no inf,
+    # whose amax would give s_b = 448): dividing by inf there instead of by 0 rounds to exactly those values
+    q = round_e2m1(xb / d.masked_fill(d == 0, math.inf), uniforms)
     return q, d, s_b, s_enc
 
 
@@ -224,7 +253,7 @@ def fake_quantize(x2d: torch.Tensor, fmt: Fp4Format, block: Block, uniforms: Opt
         q, d, _ = _mxfp4_blocks(xf, block, uniforms)
     else:
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
-    return _crop(q * d, xf.shape)
+    return _crop(q.mul_(d), xf.shape)  # q is a fresh tensor
 
 
 def padded_shape(shape: tuple[int, int], block: Block) -> tuple[int, int]:
@@ -281,6 +310,12 @@ def hadamard16(device: Optional[torch.device] = None) -> torch.Tensor:
     return (WGRAD_SIGNS.to(device)[:, None] * h) * 0.25
 
 
+@functools.lru_cache(maxsize=None)
+def _hadamard16_on(device: torch.device) -> torch.Tensor:
+    """hadamard16(device), built once per device (read-only: only ever a matmul operand)."""
+    return hadamard16(device)
+
+
 def hadamard_along_rows(x2d: torch.Tensor) -> torch.Tensor:
     """Apply the 16x16 random-sign Hadamard to every chunk of 16 rows (tokens) of x2d, zero-padding rows to a multiple of 16.
 
@@ -289,6 +324,7 @@ def hadamard_along_rows(x2d: torch.Tensor) -> torch.Tensor:
     transformed alike: the wgrad product is unchanged before quantization.
     """
     rows, cols = x2d.shape
-    padded = torch.nn.functional.pad(x2d.float(), (0, 0, 0, -rows % 16))
-    chunks = padded.t().reshape(cols, -1, 16) @ hadamard16(x2d.device)
+    padded = _f32(x2d)
+    padded = torch.nn.functional.pad(padded, (0, 0, 0, -rows % 16)) if rows % 16 else _unpadded(padded)
+    chunks = padded.t().reshape(cols, -1, 16) @ _hadamard16_on(x2d.device)
     return chunks.reshape(cols, -1).t()

@@ -311,3 +311,13 @@ def fp4_fake_quantize(x2d: torch.Tensor, fmt: str, block: tuple[int, int], unifo
     else:
         q, d, _ = _mxfp4_blocks(xf, block, uniforms)
     return _crop(q * d, xf.shape)
+
+
+def hadamard_along_rows(x2d: torch.Tensor) -> torch.Tensor:
+    """Old fp4.hadamard_along_rows (with fp4.hadamard16, which did not change)."""
+    from megatron_rl.precision.fp4 import hadamard16
+
+    rows, cols = x2d.shape
+    padded = torch.nn.functional.pad(x2d.float(), (0, 0, 0, -rows % 16))
+    chunks = padded.t().reshape(cols, -1, 16) @ hadamard16(x2d.device)
+    return chunks.reshape(cols, -1).t()

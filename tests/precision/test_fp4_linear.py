@@ -153,8 +153,8 @@ def test_forward_only_passes_skip_the_wgrad_copy(recipe, monkeypatch):
         real = fp4_linear.fp4.hadamard_along_rows
         monkeypatch.setattr(fp4_linear.fp4, "hadamard_along_rows", lambda x: calls.append(1) or real(x))
     else:
-        real = numerics.quantize_blockwise_te
-        monkeypatch.setattr(numerics, "quantize_blockwise_te", lambda x, block, *a, **k: calls.append(block) or real(x, block, *a, **k))
+        real = numerics.fake_quantize_blockwise_te  # what ModuleQuantizer calls for its operands
+        monkeypatch.setattr(numerics, "fake_quantize_blockwise_te", lambda x, block, *a, **k: calls.append(block) or real(x, block, *a, **k))
     x, w, _ = _inputs()
     w = w.requires_grad_()
     with torch.no_grad():

@@ -24,6 +24,8 @@ FMTS = ("e4m3", "e5m2")
 def assert_same_bits(new: torch.Tensor, old: torch.Tensor) -> None:
     """Same shape and dtype, NaN at the same places, identical bit patterns everywhere else."""
     assert new.shape == old.shape and new.dtype == old.dtype, (new.shape, old.shape, new.dtype, old.dtype)
+    # the layout too: a GEMM reading an operand in another layout may accumulate in another order
+    assert new.stride() == old.stride() or new.numel() <= 1, (new.stride(), old.stride())
     if old.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         new, old = new.float(), old.float()
     nan = torch.isnan(old)
@@ -127,6 +129,8 @@ def _inputs(shape, seed):
     if x.numel():
         yield torch.zeros(shape)
         yield x.to(torch.bfloat16)
+        yield special_tensor(shape[1], shape[0], seed + 1).t()  # a non-contiguous view (a transposed gradient)
+        yield special_tensor(shape[0], 2 * shape[1], seed + 2)[:, ::2]  # a non-dense view
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -294,3 +298,82 @@ def test_w8a8_shared_input_is_recomputed_for_a_changed_input():
     assert_same_bits(k_after, k_fresh)
     assert_same_bits(v_other, v_alone)
     assert not torch.equal(q1, attn.q_proj(x))  # q1 came from the input before it was scaled
+
+
+# ----------------------------------------------------------------- FP4 (NVFP4, MXFP4)
+def e2m1_ties_and_neighbours() -> torch.Tensor:
+    """Every E2M1 value and midpoint (the ties), one fp32 ulp either side, beyond the max, signed."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    mid = (grid[1:] + grid[:-1]) / 2
+    pts = torch.cat([grid, mid, torch.tensor([6.5, 7.0, 8.0, 1e30, math.inf, math.nan, 1e-41, 1e-30])])
+    pts = torch.cat([pts, torch.nextafter(pts, torch.full_like(pts, math.inf)), torch.nextafter(pts, torch.zeros_like(pts))])
+    return torch.cat([pts, -pts])
+
+
+def uniforms_for(v: torch.Tensor, seed: int) -> torch.Tensor:
+    """Uniforms in [0, 1) with the edge draws mixed in: 0, the largest float below 1, and exactly frac(|v| / step)."""
+    u = torch.rand(v.shape, generator=torch.Generator().manual_seed(seed))
+    flat = u.view(-1)
+    flat[::7] = 0.0
+    flat[3::11] = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    a = v.abs().clamp(max=6.0).view(-1)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    frac = (a / step) - torch.floor(a / step)
+    flat[5::13] = torch.nan_to_num(frac[5::13], nan=0.5)  # u == frac: not below it, so no step up
+    return u
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_round_e2m1(stochastic):
+    """Nearest-even and stochastic rounding (same uniforms -> same bits) on ties, every fp32 class and random values."""
+    from megatron_rl.precision import fp4
+
+    for i, v in enumerate((e2m1_ties_and_neighbours(), random_bits(100_000, 21), special_tensor(64, 96, 22) * 1e-3,
+                           special_tensor(64, 96, 23), special_tensor(1, 1, 24))):
+        u = uniforms_for(v, i) if stochastic else None
+        assert_same_bits(fp4.round_e2m1(v, u), ref.round_e2m1(v, u))
+
+
+def nvfp4_inputs(shape, seed):
+    """Random-with-specials inputs, one with blocks that the encode scale flushes to s_b = 0 (tiny values, signed zeros, NaN)."""
+    yield from _inputs(shape, seed)
+    rows, cols = shape
+    if rows * cols >= 32:
+        x = special_tensor(rows, cols, seed + 3, specials=False) * 1e-30
+        x.view(-1)[0] = 1e6  # the tensor amax: s_enc so small that every other block's s_b underflows to 0
+        x.view(-1)[[1, 2, 3, 5]] = torch.tensor([-0.0, 0.0, math.nan, -1e-35])
+        yield x
+
+
+FP4_SHAPES = [(16, 64), (64, 256), (30, 40), (128, 16), (1, 1), (17, 33)]
+FP4_BLOCKS = [(1, 16), (16, 1), (16, 16), (1, 32), (32, 1)]
+
+
+@pytest.mark.parametrize("shape", FP4_SHAPES)
+@pytest.mark.parametrize("block", FP4_BLOCKS)
+def test_fp4_quantizers(shape, block):
+    """quantize_nvfp4 (codes, s_b, s_enc; with an amax override) and fake_quantize nvfp4/mxfp4, RNE and stochastic."""
+    from megatron_rl.precision import fp4
+
+    for j, x in enumerate(nvfp4_inputs(shape, sum(shape) + block[0])):
+        u = torch.rand(fp4.padded_shape(tuple(x.shape), block), generator=torch.Generator().manual_seed(j))
+        for uniforms in (None, u):
+            for amax in (None, torch.tensor(0.0), torch.tensor(3.0), torch.tensor(math.inf), torch.tensor(1e-40)):
+                new = fp4.quantize_nvfp4(x, block, uniforms, amax)
+                old_q, old_sb, old_senc = ref.quantize_nvfp4(x, block, uniforms, amax)
+                assert_same_bits(new.q, old_q)
+                assert_same_bits(new.block_scale, old_sb)
+                assert_same_bits(new.global_scale, old_senc)
+            for fmt in ("nvfp4", "mxfp4"):
+                assert_same_bits(fp4.fake_quantize(x, fmt, block, uniforms), ref.fp4_fake_quantize(x, fmt, block, uniforms))
+
+
+@pytest.mark.parametrize("rows", [16, 48, 20, 1])
+def test_hadamard_along_rows(rows):
+    """The wgrad Hadamard transform: same bits and layout, padded or not, contiguous input or a transposed view."""
+    from megatron_rl.precision import fp4
+
+    x = special_tensor(rows, 24, rows, specials=False)
+    wide = special_tensor(rows, 48, rows + 2, specials=False)
+    for variant in (x, special_tensor(24, rows, rows + 1, specials=False).t(), x.to(torch.bfloat16), wide[:, ::2]):
+        assert_same_bits(fp4.hadamard_along_rows(variant), ref.hadamard_along_rows(variant))
