@@ -160,7 +160,10 @@ def resolve_architecture(model_cfg: ModelConfig, vocab_size: Optional[int] = Non
 
 
 def transformer_config_kwargs(arch: Architecture) -> dict[str, Any]:
-    """megatron TransformerConfig kwargs for the architecture (dropout off: RL log-probs must be deterministic)."""
+    """megatron TransformerConfig kwargs for the architecture (dropout off: RL log-probs must be deterministic).
+
+    Fused kernels and communication overlap depend on the device, not the architecture: trainer/model.py's
+    LearnerKernels adds them."""
     import torch.nn.functional as F
 
     return dict(
@@ -179,12 +182,6 @@ def transformer_config_kwargs(arch: Architecture) -> dict[str, Any]:
         qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # The fused kernels need CUDA/apex; the unfused paths are numerically the reference.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
     )
 
 

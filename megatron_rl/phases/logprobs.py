@@ -20,7 +20,8 @@ from megatron_rl.types import TrainBatch
 
 
 def _local_parameters(learner):
-    """(chunk-qualified name, parameter) of this rank's model chunks."""
+    """(chunk-qualified name, parameter) of this rank's model chunks, all-gathered first (every rank calls this)."""
+    learner.finish_param_sync()
     for i, chunk in enumerate(learner.model):
         for name, p in chunk.named_parameters():
             yield f"{i}.{name}", p

@@ -76,6 +76,7 @@ def stream_to_transport(learner, transport, fmt: ExportFormat, weight_version: A
     Collective over all learner ranks. A failing send does not stop the stage's gathers (its TP
     peers are inside them): the sender drains the export, then every rank raises the error.
     """
+    learner.finish_param_sync()  # every rank, before only the exporting replica reads parameters
     exporter = StreamingExporter(learner)
     pp = state.pp_size()
     sent, count = 0, 0

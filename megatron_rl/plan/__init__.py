@@ -119,6 +119,8 @@ class Plan:
     """precision.rollout_scale_fmt as configured (auto, fp32 or ue8m0)."""
     rollout_scale_fmt: str = "fp32"
     """precision.rollout_scale_fmt as the engines of this allocation get it (auto resolved for the --gpu engines)."""
+    learner_kernels: list[str] = field(default_factory=list)
+    """Which layer spec, fusions and overlaps the learner runs on this GPU (trainer/model.py LearnerKernels)."""
 
     @property
     def ok(self) -> bool:
@@ -285,7 +287,18 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                 tokens_per_step=tokens, options=opt, colocate_offload=r.colocate_offload,
                 learner_beside_engines=lm.beside_engines(r.colocate_offload) if lay.placement == "colocated" else 0,
                 recipe=prec.recipe, rollout_quantization=prec.rollout_quantization,
-                rollout_scale_fmt_requested=prec.rollout_scale_fmt, rollout_scale_fmt=scale_fmt)
+                rollout_scale_fmt_requested=prec.rollout_scale_fmt, rollout_scale_fmt=scale_fmt,
+                learner_kernels=_learner_kernels(device, p))
+
+
+def _learner_kernels(device: DeviceSpec, parallel) -> list[str]:
+    """LearnerKernels.describe() for learners on `device` with Transformer Engine (the GPU image), or on CPU."""
+    from megatron_rl.precision.device import CPU, gpu_facts
+    from megatron_rl.trainer.model import learner_kernels
+
+    cc = device.compute_capability
+    facts = gpu_facts(cc, te=True, apex_wgrad=True) if cc else CPU
+    return learner_kernels(facts, parallel).describe(apex_known=cc is None)
 
 
 def _engine_findings(em: memory.EngineMemory, lay: Layout, lm: memory.LearnerMemory, device: DeviceSpec,

@@ -44,6 +44,9 @@ def render(plan: Plan, title: str = "") -> str:
              f"  learner: {lay.learner_gpus} GPU(s) = TP {lay.tp} x PP {lay.pp}{f' (VPP {lay.vpp})' if lay.vpp else ''} "
              f"x CP {lay.cp} x DP {lay.dp}; training sequences {plan.seq_len} tokens",
              f"precision: learner recipe {plan.recipe}; rollout weights {_rollout_weights(plan)}",
+             f"learner kernels on {lay.device}{' with Transformer Engine' if _capability(lay.device) else ''} "
+             "(trainer/model.py LearnerKernels):",
+             *[f"  {line}" for line in plan.learner_kernels],
              "checks:"]
     for f in plan.findings:
         lines.append(f"  [{f.level:7}] {f.code}: {f.message}")

@@ -155,7 +155,8 @@ def _model_keys(learner: Any) -> list[str]:
 
 
 def _model_sharded_state_dict(learner: Any, metadata: dict[str, Any]) -> dict[str, Any]:
-    """Sharded state dict of every model chunk, keyed like megatron's training loop does."""
+    """Sharded state dict of every model chunk, keyed like megatron's training loop does (parameters all-gathered first)."""
+    learner.finish_param_sync()
     return {
         key: unwrap(chunk).sharded_state_dict(prefix="", metadata=metadata)
         for key, chunk in zip(_model_keys(learner), learner.model)

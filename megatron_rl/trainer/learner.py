@@ -28,8 +28,8 @@ from megatron_rl.precision import fp8_forward_context
 from megatron_rl.precision.device import DeviceFacts, detect_device_facts, learner_device_errors
 from megatron_rl.models.presets import Architecture, megatron_param_shapes, resolve_architecture
 from megatron_rl.trainer.logprobs import gather_cp_sequence, vocab_parallel_label_is_argmax, vocab_parallel_logprobs_entropy
-from megatron_rl.trainer.model import build_model_chunks, build_transformer_config, unwrap, wrap_ddp
-from megatron_rl.trainer.spec import layer_offset, to_cp_layout, uses_te_spec
+from megatron_rl.trainer.model import build_model_chunks, build_transformer_config, learner_kernels, unwrap, wrap_ddp
+from megatron_rl.trainer.spec import layer_offset, to_cp_layout
 from megatron_rl.types import TrainBatch
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -117,13 +117,15 @@ class Learner:
             state.init_distributed(parallel_cfg, seed)
         self.parallel_cfg = parallel_cfg
         self.precision_cfg = precision_cfg
-        use_te = uses_te_spec(self.device_facts)
+        self.kernels = learner_kernels(self.device_facts, parallel_cfg)
         self.arch = architecture if architecture is not None else resolve_architecture(model_cfg, vocab_size)
-        self.config = build_transformer_config(self.arch, parallel_cfg, optim_cfg, precision_cfg)
-        check_precision_environment(precision_cfg, on_gpu=use_te)
+        self.config = build_transformer_config(self.arch, parallel_cfg, optim_cfg, precision_cfg,
+                                               on_gpu=self.device_facts.cuda, kernels=self.kernels)
+        check_precision_environment(precision_cfg, on_gpu=self.kernels.te_spec)
         torch.manual_seed(seed)
-        self.model = wrap_ddp(build_model_chunks(self.arch, self.config, precision_cfg, use_te=use_te), self.config,
-                              parallel_cfg)
+        chunks = build_model_chunks(self.arch, self.config, precision_cfg, use_te=self.kernels.te_spec)
+        self.model = wrap_ddp(chunks, self.config, parallel_cfg, self.kernels)
+        self._params_pending = False  # the optimizer stepped and the parameter all-gather was left to a forward
         bf16 = optim_cfg.params_dtype == "bf16"
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -307,6 +309,7 @@ class Learner:
             self.scheduler.step(increment=1)
             success, grad_norm, _ = self.optimizer.step()
             self.step_count += 1
+            self._params_pending = self.kernels.overlap_param_gather
         metrics = self._reduce_metrics(outputs)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -365,8 +368,30 @@ class Learner:
         return dict(result or {})
 
     # ------------------------------------------------------------------ weights
+    def finish_param_sync(self) -> None:
+        """Make every rank's parameters the optimizer's latest before they are read or written outside a forward.
+
+        With overlap_param_gather the distributed optimizer updates only this rank's shard and megatron
+        gathers the rest lazily in the next forward's pre-hooks, so until then other ranks' shards are stale
+        (read by an export, or restored by a hand swap after which no forward gathers again). The collective
+        entry points that touch parameters call this first, on every
+        rank (weight sync and its finiteness check, gather/load_full_state_dict, checkpoints, the reference
+        policy): it runs the all-gather synchronously (DDP.start_param_sync(force_sync=True), as megatron's
+        training loop does through disable_forward_pre_hook before saving), after which the pre-hooks have
+        nothing to do. Collective over the DP group; a no-op without overlap or when nothing is pending.
+        """
+        if not self._params_pending:
+            return
+        for chunk in self.model:
+            chunk.start_param_sync(force_sync=True)
+        self._params_pending = False
+
     def _local_params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """(global megatron name, local parameter) for every parameter on this rank."""
+        if self._params_pending:
+            # a collective cannot start here: only some ranks (the exporting replica) iterate this
+            raise RuntimeError("learner parameters read while their all-gather is pending (overlap_param_gather): "
+                               "call Learner.finish_param_sync() on every rank first")
         for vp, chunk in enumerate(self.model):
             module = unwrap(chunk)
             offset, _ = layer_offset(self.config, vp if len(self.model) > 1 else None)
@@ -394,6 +419,7 @@ class Learner:
         """
         from megatron_rl.trainer.weight_export import StreamingExporter
 
+        self.finish_param_sync()
         exporter = StreamingExporter(self)
         local = {name: full.float().cpu().clone() for name, full in exporter.full_params() if full is not None}
         if not exporter.is_sender:
@@ -421,6 +447,7 @@ class Learner:
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Shard a full megatron-named dict onto this rank (every rank passes the same dict) and refresh optimizer copies."""
         tp, tp_rank = state.tp_size(), state.tp_rank()
+        self.finish_param_sync()
         missing = [name for name, _ in self._local_params() if name not in sd]
         if missing:
             raise KeyError(f"load_full_state_dict: missing {len(missing)} tensors, e.g. {missing[:5]}")

@@ -48,6 +48,7 @@ def nbytes(tensors: Bucket) -> int:
 def check_finite(learner) -> None:
     """Raise NonFiniteWeightsError on every rank when any rank holds a NaN/inf parameter (collective)."""
     bad: Optional[str] = None
+    learner.finish_param_sync()
     with torch.no_grad():
         for name, param in learner._local_params():
             if not bool(torch.isfinite(param.detach()).all()):
