@@ -18,6 +18,7 @@ import torch
 
 from megatron_rl.engine.tensor_payload import deserialize_named_tensors
 from megatron_rl.engine.testing import ThreadedServer, make_tiny_model
+from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.sync import TensorWeightSync
 from megatron_rl.rollout.sync.serialization import DEVICE_ARG, serialize_per_rank
 from megatron_rl.rollout.sync.tensor import update_tensor_body
@@ -66,6 +67,48 @@ def test_an_engine_of_two_tp_ranks_opens_its_own_payloads(tmp_path):
         status, body = post(srv.url, "/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1, "world_size": 3, "backend": "gloo"})
         assert status == 400 and "--tp-size 1 for distributed updates" in body["message"]
+
+
+def test_a_cpu_payload_names_its_device_and_only_an_engine_seeing_it_opens_it():
+    """SGLang's `_device_from_maybe_uuid` (srt/utils/patch_torch.py) raises 'Invalid device_uuid=<uuid>' for a handle
+    of a GPU its process does not see; the embedded engine's --visible-devices list does the same for CPU payloads."""
+    from megatron_rl.engine.server import build_arg_parser
+    from megatron_rl.rollout.sync.serialization import payload_devices, serialize_named_tensors
+
+    named = [("a", torch.arange(6.0).reshape(2, 3).share_memory_())]
+    blob = serialize_named_tensors(named, device="cpu:3")
+    assert payload_devices(named, "cpu:3") == {"cpu:3"} and payload_devices(named) == set()
+    for visible in (None, ["cpu:3"], ["cpu:0", "cpu:3"]):
+        (name, got), = deserialize_named_tensors(blob, visible)
+        assert name == "a" and torch.equal(got, named[0][1])
+    with pytest.raises(ValueError) as refused:
+        deserialize_named_tensors(blob, ["cpu:0"])
+    assert str(refused.value) == "Invalid device_uuid=cpu:3"  # SGLang's text, word for word
+    assert build_arg_parser().parse_args(["--model-path", "m", "--visible-devices", "cpu:0,cpu:1"]).visible_devices == "cpu:0,cpu:1"
+
+
+def test_an_engine_refuses_a_payload_from_a_device_it_does_not_see(tmp_path):
+    """The bug of one sender for every colocated engine, on CPU: engine 0 sees device cpu:0 only; a payload sent from
+    cpu:1 is refused (HTTP 400, weights unchanged, the engine keeps serving) and its own device's payload loads."""
+    from megatron_rl.rollout.sync.serialization import serialize_named_tensors
+
+    base = make_tiny_model(str(tmp_path / "base"), seed=0).state_dict()
+    target = make_tiny_model(str(tmp_path / "target"), seed=4).state_dict()
+    name = "model.layers.0.mlp.up_proj.weight"
+    update = [(name, target[name].clone().share_memory_())]
+    with ThreadedServer(str(tmp_path / "base"), visible_devices=["cpu:0"], tp_size=2) as srv:
+        assert RolloutClient(srv.url).server_info_sync()[0]["visible_devices"] == ["cpu:0"]
+        with session(srv.url):
+            other = {"serialized_named_tensors": [serialize_named_tensors(update, "cpu:0"),
+                                                  serialize_named_tensors(update, "cpu:1")]}
+            status, body = post(srv.url, "/update_weights_from_tensor", other)
+            assert status == 400 and body["message"].endswith("TP rank 1's payload: Invalid device_uuid=cpu:1"), body
+            assert torch.equal(weights_of(srv.url, name), base[name])
+            own = {"serialized_named_tensors": [serialize_named_tensors(update, "cpu:0")] * 2, "weight_version": "own"}
+            status, body = post(srv.url, "/update_weights_from_tensor", own)
+            assert status == 200 and body["success"], body
+        assert torch.equal(weights_of(srv.url, name), target[name])
+        assert greedy(srv.url)["meta_info"]["weight_version"] == "own"
 
 
 @pytest.mark.gpu

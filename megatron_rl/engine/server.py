@@ -102,7 +102,7 @@ class RolloutServer:
                  max_body_mb: float = DEFAULT_MAX_BODY_MB, max_weight_body_mb: float = DEFAULT_MAX_WEIGHT_BODY_MB,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                  weight_update_timeout_s: float = 120.0, weights_cpu_backup: bool = False,
-                 sglang_compat: str = DEFAULT_COMPAT, tp_size: int = 1):
+                 sglang_compat: str = DEFAULT_COMPAT, tp_size: int = 1, visible_devices: Optional[list[str]] = None):
         """Configure the server; the model is loaded in the background once the app starts.
 
         deterministic: generate every /generate call in a batch of its own (its prompts together), so a call's
@@ -118,6 +118,8 @@ class RolloutServer:
         sglang_compat: the SGLang version whose protocol rules this server follows (engine/compat.py).
         tp_size: TP ranks this engine declares (/server_info tp_size) and emulates for tensor updates: rank r opens
         only entry r of serialized_named_tensors, as SGLang's TP workers do (generation runs in this one process).
+        visible_devices: the devices this engine sees (the CPU stand-in of an SGLang engine's CUDA_VISIBLE_DEVICES):
+        a tensor payload naming another is refused as SGLang refuses it (engine/tensor_payload.py); None: all.
         """
         if tp_size < 1:
             raise ValueError("tp_size must be >= 1")
@@ -158,7 +160,10 @@ class RolloutServer:
         self.batches_run = 0
         self._tasks: list[asyncio.Task] = []
         self.tp_size = tp_size
-        self.weights = WeightEndpoints(self, _json_body, weight_update_timeout_s, weights_cpu_backup, self.compat, tp_size)
+        if visible_devices is not None and (not visible_devices or not all(isinstance(d, str) and d for d in visible_devices)):
+            raise ValueError("visible_devices must be a non-empty list of device names")
+        self.weights = WeightEndpoints(self, _json_body, weight_update_timeout_s, weights_cpu_backup, self.compat, tp_size,
+                                       visible_devices)
 
     # --------------------------------------------------------------------------- lifecycle
     def make_app(self) -> web.Application:
@@ -382,6 +387,7 @@ class RolloutServer:
             "model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "host": self.host,
             "port": self.port, "random_seed": self.random_seed, "skip_tokenizer_init": self.tokenizer_path is None,
             "tp_size": self.tp_size, "dp_size": 1, "pp_size": 1, "max_running_requests": self.max_batch_size,
+            "visible_devices": list(self.weights.visible_devices) if self.weights.visible_devices is not None else None,
             "batch_window_s": self.batch_window_s,
             "weight_version": self.weight_version if live else self.startup_weight_version,
             "enable_deterministic_inference": self.deterministic, "kv_cache_dtype": self.kv_cache_dtype,
@@ -615,6 +621,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=1,
                    help="TP ranks this engine declares and emulates for tensor weight updates (rank r opens only entry "
                         "r of serialized_named_tensors; generation is unchanged; distributed groups need 1)")
+    p.add_argument("--visible-devices", default=None,
+                   help="comma-separated names of the devices this engine sees (the CPU stand-in of CUDA_VISIBLE_DEVICES' "
+                        "GPU UUIDs): a tensor payload naming another device is refused with SGLang's 'Invalid "
+                        "device_uuid=...' (default: every device)")
     p.add_argument("--sglang-compat", default=DEFAULT_COMPAT, choices=sorted(COMPAT_MODES),
                    help="the SGLang version whose protocol this server follows (weight-update sessions, where the "
                         "weight version is reported)")
@@ -656,6 +666,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     for flag in ("max_body_mb", "max_weight_body_mb", "read_timeout_s"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
+    visible_devices = None
+    if args.visible_devices is not None:
+        visible_devices = [d.strip() for d in args.visible_devices.split(",")]
+        if not all(visible_devices):
+            parser.error("--visible-devices must list non-empty device names, comma-separated")
     tokenizer_path = args.tokenizer_path
     if tokenizer_path is None and not args.skip_tokenizer_init:
         tokenizer_path = discover_tokenizer(args.model_path)
@@ -684,7 +699,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         api_key=args.api_key, max_n=args.max_n, max_sequences_per_request=args.max_sequences_per_request,
         max_body_mb=args.max_body_mb, max_weight_body_mb=args.max_weight_body_mb, read_timeout_s=args.read_timeout_s,
         weight_update_timeout_s=args.weight_update_timeout_s, weights_cpu_backup=args.enable_weights_cpu_backup,
-        sglang_compat=args.sglang_compat, tp_size=args.tp_size)
+        sglang_compat=args.sglang_compat, tp_size=args.tp_size, visible_devices=visible_devices)
     if args.parent_pid > 0:
         watch_parent(args.parent_pid)
     web.run_app(server.make_app(), sock=sock, print=None, access_log=None, keepalive_timeout=args.read_timeout_s,

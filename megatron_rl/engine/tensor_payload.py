@@ -6,6 +6,12 @@ reductions replaced each tensor by a handle to shared memory (CPU, `file_system`
 CUDA-IPC handle. The unpickler here admits only torch's CPU tensor-rebuild functions, so a request
 body can never run arbitrary code in the engine. `load_format="flattened_bucket"` payloads (a dict
 with one flat uint8 tensor and SGLang's FlattenedTensorMetadata list) are read too.
+
+Visible devices: a tensor whose payload names the device it was sent from (the sender's CPU stand-in
+of a CUDA device UUID, rollout/sync/serialization.py `rebuild_on_device`) opens only on an engine that
+sees that device. An engine given `visible_devices` (--visible-devices) refuses any other with the
+text SGLang's `_device_from_maybe_uuid` raises for a CUDA-IPC handle of a GPU its process does not
+see (srt/utils/patch_torch.py: "Invalid device_uuid=<uuid>"); without the list it sees every device.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import base64
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -40,10 +46,34 @@ _REBUILDS = {"rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_filenam
              "rebuild_typed_storage_child"}
 
 
+INVALID_DEVICE = "Invalid device_uuid="
+"""SGLang's message for a tensor handle naming a device its process does not see (srt/utils/patch_torch.py)."""
+
+
+def check_device(device: Any, visible_devices: Optional[Sequence[str]]) -> None:
+    """ValueError with SGLang's text when `device` is not one of `visible_devices` (None: every device is visible)."""
+    if not isinstance(device, str):
+        raise ValueError(f"Unknown type: device_maybe_uuid={device!r}")
+    if visible_devices is not None and device not in visible_devices:
+        raise ValueError(INVALID_DEVICE + device)
+
+
 class _TensorUnpickler(pickle.Unpickler):
     """Admits torch's CPU tensor rebuilds, dtypes, Size, storages and SGLang's bucket metadata; nothing else."""
 
+    def __init__(self, file, visible_devices: Optional[Sequence[str]] = None) -> None:
+        super().__init__(file)
+        self.visible_devices = visible_devices
+
+    def _rebuild_on_device(self, device: Any, rebuild: Any, args: Any) -> Any:
+        check_device(device, self.visible_devices)
+        if not callable(rebuild) or not isinstance(args, tuple):
+            raise ValueError("a device-named tensor must hold a tensor rebuild and its arguments")
+        return rebuild(*args)
+
     def find_class(self, module: str, name: str) -> Any:
+        if module == "megatron_rl.rollout.sync.serialization" and name == "rebuild_on_device":
+            return self._rebuild_on_device
         if module == "torch.multiprocessing.reductions":
             if name in _REBUILDS:
                 return getattr(torch.multiprocessing.reductions, name)
@@ -63,8 +93,9 @@ class _TensorUnpickler(pickle.Unpickler):
         raise ValueError(f"serialized_named_tensors refers to {module}.{name}, which a tensor payload never needs")
 
 
-def deserialize_named_tensors(blob: Any) -> Any:
-    """The object of one `serialized_named_tensors` entry (base64 text or raw bytes); ValueError when malformed."""
+def deserialize_named_tensors(blob: Any, visible_devices: Optional[Sequence[str]] = None) -> Any:
+    """The object of one `serialized_named_tensors` entry (base64 text or raw bytes); ValueError when malformed or
+    when a tensor names a device outside `visible_devices` (None: all are visible)."""
     import torch.multiprocessing.reductions  # noqa: F401
 
     if isinstance(blob, str):
@@ -77,7 +108,7 @@ def deserialize_named_tensors(blob: Any) -> Any:
     else:
         raise ValueError(f"serialized_named_tensors entries must be base64 strings, got {type(blob).__name__}")
     try:
-        return _TensorUnpickler(io.BytesIO(raw)).load()
+        return _TensorUnpickler(io.BytesIO(raw), visible_devices).load()
     except ValueError:
         raise
     except Exception as exc:  # truncated data, vanished shared-memory segment, ...

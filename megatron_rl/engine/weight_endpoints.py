@@ -24,12 +24,13 @@ import asyncio
 import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from aiohttp import web
 
 from megatron_rl.engine import compat as sglang
 from megatron_rl.engine.http import error_response
+from megatron_rl.engine.tensor_payload import INVALID_DEVICE
 from megatron_rl.engine import weight_receiver as wr
 from megatron_rl.engine.weight_groups import WeightGroups
 from megatron_rl.parallel.weight_group import DEFAULT_GROUP_NAME
@@ -68,11 +69,15 @@ class WeightEndpoints:
     """Weight-update state of one RolloutServer (groups, released memory) and its handlers."""
 
     def __init__(self, server: Any, read_json: ReadJson, timeout_s: float = 120.0, weights_cpu_backup: bool = False,
-                 compat: sglang.SGLangCompat = sglang.COMPAT_MODES[sglang.DEFAULT_COMPAT], tp_size: int = 1) -> None:
+                 compat: sglang.SGLangCompat = sglang.COMPAT_MODES[sglang.DEFAULT_COMPAT], tp_size: int = 1,
+                 visible_devices: Optional[Sequence[str]] = None) -> None:
         """`server` is the RolloutServer (engine, worker executor, weight_version, abort epoch); `weights_cpu_backup`
         keeps released weights to restore them on resume (SGLang's --enable-weights-cpu-backup); `compat` the
-        SGLang version whose rules the endpoints follow; `tp_size` the TP ranks whose tensor payloads it opens."""
+        SGLang version whose rules the endpoints follow; `tp_size` the TP ranks whose tensor payloads it opens;
+        `visible_devices` the device names its tensor payloads may come from (None: any; engine/tensor_payload.py)."""
         self.server = server
+        self.visible_devices = None if visible_devices is None else tuple(visible_devices)
+        """Devices this engine sees, as CUDA_VISIBLE_DEVICES limits an SGLang engine's (None: every device)."""
         self.read_json = read_json
         self.compat = compat
         self.session: Optional[str] = None
@@ -285,7 +290,7 @@ class WeightEndpoints:
 
             def load(rank: int) -> list:
                 try:
-                    obj = deserialize_named_tensors(blobs[rank])
+                    obj = deserialize_named_tensors(blobs[rank], self.visible_devices)
                     return unflatten_bucket(obj) if load_format == "flattened_bucket" else named_tensor_list(obj)
                 except ValueError as exc:
                     raise wr.WeightUpdateError(f"update_weights_from_tensor: TP rank {rank}'s payload: {exc}") from None
@@ -303,7 +308,10 @@ class WeightEndpoints:
             written = await self._swap(staged, version, abort_all)
             del staged
         except wr.WeightUpdateError as exc:
-            log.warning("%s", exc)
+            if INVALID_DEVICE in str(exc):  # where SGLang's scheduler would exit: name what this engine sees
+                log.warning("%s (this engine sees devices %s)", exc, list(self.visible_devices or ()))
+            else:
+                log.warning("%s", exc)
             return _result(False, str(exc))
         return _result(True, f"Succeeded to update model weights ({written} tensors)."
                        + (f" Weight version updated to {version}." if version is not None else ""))

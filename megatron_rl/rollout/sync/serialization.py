@@ -13,14 +13,21 @@ every CUDA-IPC handle is opened once and the sender's reference counts (torch's 
 drop cleanly after each load. A CUDA tensor's device travels as the GPU's UUID instead of this
 process's device index (SGLang's `monkey_patch_torch_reductions`, applied by every engine before it
 deserializes, maps the UUID back to the index the engine sees), so an engine whose
-CUDA_VISIBLE_DEVICES orders the GPUs differently still opens the right device.
+CUDA_VISIBLE_DEVICES orders the GPUs differently still opens the right device, and an engine that does not
+see that GPU at all refuses the payload: `_device_from_maybe_uuid` in SGLang's srt/utils/patch_torch.py raises
+"Invalid device_uuid=<uuid>", uncaught in `deserialize_own_rank` (managers/tp_worker.py, called from
+managers/scheduler_components/weight_updater.py), so the scheduler exits. A CPU tensor names its device the
+same way when the sender gives one (`device`: the sending learner rank's identity, rollout/colocation.py): the
+payload rebuilds it through `rebuild_on_device`, where an embedded engine started with --visible-devices
+refuses another device's tensor with SGLang's message (engine/tensor_payload.py), so the CPU suite proves the
+colocated layout that CUDA-IPC needs.
 """
 from __future__ import annotations
 
 import base64
 import contextlib
 import io
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -48,8 +55,15 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def _tensor_pickler():
-    """A ForkingPickler whose CUDA tensors name their device by UUID (SGLang's patched reduction), others as torch does."""
+def rebuild_on_device(device: str, rebuild, args):
+    """A CPU tensor of a payload that names the device it was sent from (`rebuild(*args)` is torch's own rebuild;
+    the engine side maps this name to a check of its visible devices first)."""
+    return rebuild(*args)
+
+
+def _tensor_pickler(device: Optional[str]):
+    """A ForkingPickler whose CUDA tensors name their device by UUID (SGLang's patched reduction) and whose CPU
+    tensors name `device` when given (else as torch reduces them)."""
     from multiprocessing.reduction import ForkingPickler
 
     from torch.multiprocessing import reductions
@@ -62,23 +76,32 @@ def _tensor_pickler():
                     raise RuntimeError(f"torch {torch.__version__} reduces CUDA tensors differently than SGLang's patch "
                                        f"expects (device index at argument {DEVICE_ARG} of rebuild_cuda_tensor)")
                 return rebuild, (*args[:DEVICE_ARG], device_uuid(args[DEVICE_ARG]), *args[DEVICE_ARG + 1:])
+            if device is not None and isinstance(obj, torch.Tensor):
+                return rebuild_on_device, (device, *reductions.reduce_tensor(obj))
             return NotImplemented
 
     return UuidPickler
 
 
-def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]], device: Optional[str] = None) -> str:
     """base64 ForkingPickler bytes of `[(name, tensor)]` (SGLang's MultiprocessingSerializer with output_str=True).
 
     CPU tensors must already live in shared memory (`share_memory_()`) and stay alive until the
-    engine answered; CUDA tensors travel as CUDA-IPC handles naming their device by UUID.
+    engine answered; they name `device` when given. CUDA tensors travel as CUDA-IPC handles naming
+    their own device by UUID.
     """
     import torch.multiprocessing.reductions  # noqa: F401  (registers the tensor reducers)
 
     buf = io.BytesIO()
     with _file_system_sharing():
-        _tensor_pickler()(buf).dump([(str(n), t) for n, t in named])
+        _tensor_pickler(device)(buf).dump([(str(n), t) for n, t in named])
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def payload_devices(named: Sequence[tuple[str, torch.Tensor]], device: Optional[str] = None) -> set[str]:
+    """The device names a payload of `named` carries: each CUDA tensor's UUID, `device` for CPU tensors when given."""
+    return {device_uuid(t.device.index if t.device.index is not None else torch.cuda.current_device())
+            if t.is_cuda else device for _, t in named} - {None}
 
 
 def serialize_per_rank(named: Sequence[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
