@@ -13,7 +13,9 @@ the clipper a `RatioStats` of the pooled token set when the plan says a solve is
 reduce the statistics over `group` (one collective round, every rank of the group calls it);
 if they hold high-precision sums (a calibration event), update the targets; if they hold FP8
 statistics and targets exist, solve L and H and hold them: with `smooth`, new = smoothing * held +
-(1 - smoothing) * solved (the first solve of a run is taken as is); without, the solution itself.
+(1 - smoothing) * applied (the first solve of a run is taken as is); without, the applied bounds themselves.
+applied = the solved bounds (strength=full) or w of the way to them from the vanilla bounds in log space
+(strength=excess, the default: w from each calibration event's excess clipping, `excess_strength`).
 The solve's `quantile` says whom the bounds are for: the tokens solved on (per_calibration's event,
 per_minibatch's pre-pass) or the next step's (per_step, which re-solves every step).
 The state lives on the last pipeline stage (where the loss runs); the loop copies it to the other
@@ -51,6 +53,10 @@ class CalibratedClipper:
             self.targets = CalibrationTargets.of(cfg.static_alpha, cfg.static_rho)
         self.solved = False
         self.last: Optional[BoundsSolution] = None
+        self.strength = 1.0 if cfg.strength == "full" else 0.0
+        """Share w of the way from the vanilla bounds to the solved ones (strength=excess: set at every calibration event)."""
+        self.alpha_lp = math.nan
+        """Fraction of negative tokens the low-precision ratios put below 1 - eps_low at the last calibration event."""
 
     def new_stats(self, *, fp8: bool = True, reference: bool = False, record: bool = False, weighted: bool = False) -> RatioStats:
         """An empty `RatioStats` with this clipper's backend, eps and bins (`weighted`: tokens carry weights)."""
@@ -67,14 +73,20 @@ class CalibratedClipper:
             self.targets = reduced.targets.merged_into(self.targets)
         if reduced.fp8 is None or self.targets is None:
             return None
+        if reduced.targets is not None and c.strength == "excess" and reduced.fp8.num_neg > 0 \
+                and reduced.targets.num_neg > 0:
+            self.alpha_lp = reduced.fp8.neg_count_below(1.0 - self.eps_low) / reduced.fp8.num_neg
+            self.strength = excess_strength(reduced.targets.alpha, self.alpha_lp, c.excess_tolerance)
         sol = solve_bounds(
             reduced.fp8, self.targets, eps_low=self.eps_low, eps_high=self.eps_high, upper=c.upper,
             lower_min=c.lower_min, lower_max=c.lower_max, upper_min=c.upper_min, upper_max=c.upper_max,
             relax_only=c.relax_only, previous=(self.lower, self.upper), quantile=quantile, lower_floor=c.lower_floor,
         )
+        lower = _toward(1.0 - self.eps_low, sol.lower, self.strength)
+        upper = _toward(1.0 + self.eps_high, sol.upper, self.strength)
         s = c.smoothing if smooth and self.solved else 0.0
-        self.lower = _f32(s * self.lower + (1.0 - s) * sol.lower)
-        self.upper = _f32(s * self.upper + (1.0 - s) * sol.upper)
+        self.lower = _f32(s * self.lower + (1.0 - s) * lower)
+        self.upper = _f32(s * self.upper + (1.0 - s) * upper)
         self.solved = True
         self.last = sol
         return sol
@@ -98,6 +110,7 @@ class CalibratedClipper:
             "calib/rho_target": t.rho if t is not None else math.nan,
             "calib/alpha_achieved": last.alpha_achieved if last is not None else math.nan,
             "calib/rho_achieved": last.rho_achieved if last is not None else math.nan,
+            "calib/strength": self.strength, "calib/alpha_lp": self.alpha_lp,
         }
 
     @staticmethod
@@ -118,6 +131,8 @@ class CalibratedClipper:
             "targets": None if t is None else {k: getattr(t, k) for k in ("alpha", "rho", "num_neg", "num_pos")},
             "last": None if last is None else last._asdict(),
             "generator": self.generator.get_state(),
+            "strength": self.strength,
+            "alpha_lp": self.alpha_lp,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -129,6 +144,26 @@ class CalibratedClipper:
         last = state.get("last")
         self.last = None if last is None else BoundsSolution(**last)
         self.generator.set_state(state["generator"])
+        # checkpoints from before strength=excess applied the solved bounds in full
+        self.strength = float(state.get("strength", 1.0))
+        self.alpha_lp = float(state.get("alpha_lp", math.nan))
+
+
+def excess_strength(alpha_hp: float, alpha_lp: float, tolerance: float) -> float:
+    """w = clamp(1 - (1 + tolerance) alpha_hp / alpha_lp, 0, 1): the share of the low-precision clipping beyond what
+    high precision clips, past the tolerated excess (0 when low precision clips nothing)."""
+    if not alpha_lp > 0:
+        return 0.0
+    return min(max(1.0 - (1.0 + tolerance) * alpha_hp / alpha_lp, 0.0), 1.0)
+
+
+def _toward(vanilla: float, solved: float, w: float) -> float:
+    """The bound w of the way from `vanilla` to `solved` in log space (ratios are compared multiplicatively)."""
+    if w >= 1.0:
+        return solved
+    if w <= 0.0:
+        return vanilla
+    return math.exp((1.0 - w) * math.log(vanilla) + w * math.log(solved))
 
 
 def make_clipper(cfg: AlgoConfig) -> Optional[CalibratedClipper]:

@@ -89,6 +89,10 @@ class CalibrationConfig(StrictConfig):
     """histogram: upper edge of the binned log-ratio range."""
     lower_min: float = Field(0.05, gt=0, le=1, allow_inf_nan=False)
     """Clamp: smallest allowed calibrated lower bound L."""
+    strength: Literal["excess", "full"] = "excess"
+    """excess: the solved bounds are applied in proportion to the measured distortion, w = clamp(1 - (1 + excess_tolerance) * alpha_hp / alpha_lp, 0, 1) from each calibration event (alpha_lp: the fraction of negative tokens the low-precision ratios put below 1 - eps_low), log L = (1 - w) log(1 - eps_low) + w log L_solved, likewise H; so where low precision clips little more than high precision the vanilla bounds stay; full: the solved bounds as they are (the paper)."""
+    excess_tolerance: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
+    """strength=excess: the excess clipping (alpha_lp / alpha_hp - 1) tolerated before the bounds move (0-100); 1.0 tolerates clipping up to 2x high precision, where the measured dose-response showed no harm from zeroed negative gradients (docs/RESULTS.md section 3)."""
     lower_floor: Literal["lowest_ratio", "lower_min"] = "lowest_ratio"
     """When the target alpha lies below the solve's first negative token (alpha = 0: the shadow clipped nothing), lowest_ratio sets L to the lowest FP8 negative ratio solved on (clips none of them, keeps the trust region as tight as the data allow); lower_min lets the extrapolated quantile fall to lower_min (no lower trust region until the next solve)."""
     lower_max: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)

@@ -176,7 +176,7 @@ def test_calibrated_bounds_zero_gradient_exactly_for_clipped(seed, alpha):
 
 def _cfg(**kw):
     kw.setdefault("relax_only", False)
-    return CalibrationConfig(enabled=True, lower_min=1e-3, upper_max=100.0, **kw)
+    return CalibrationConfig(enabled=True, strength="full", lower_min=1e-3, upper_max=100.0, **kw)
 
 
 def _event(c: CalibratedClipper, r8, a, r_hp=None, parts: int = 1):

@@ -30,7 +30,7 @@ def _tokens(seed: int, n: int, noise: float, hp_scale: float):
        st.integers(1, 5))
 def test_solve_matches_the_spec(seed, n, noise, hp_scale, relax_only, parts):
     r8, r_hp, adv = _tokens(seed, n, noise, hp_scale)
-    clipper = CalibratedClipper(CalibrationConfig(enabled=True, smoothing=0.0, relax_only=relax_only),
+    clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", smoothing=0.0, relax_only=relax_only),
                                 eps_low=0.2, eps_high=0.28)
     stats = clipper.new_stats(reference=True)
     for idx in torch.arange(n).chunk(parts):  # micro-batches add locally, one solve
@@ -60,7 +60,7 @@ def test_spec_checker_fails_on_a_wrong_quantile():
 
 def _event_rows(tmp_path, events):
     """Solve each pooled token set in turn with one clipper (EMA on), writing the dumps and metrics rows a run would."""
-    clipper = CalibratedClipper(CalibrationConfig(enabled=True, smoothing=0.5, relax_only=False), eps_low=0.2, eps_high=0.2)
+    clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", smoothing=0.5, relax_only=False), eps_low=0.2, eps_high=0.2)
     rows = []
     for step, (r8, r_hp, adv) in enumerate(events):
         stats = clipper.new_stats(reference=True)
@@ -106,7 +106,7 @@ def test_per_step_solve_matches_the_spec(seed, n, noise, hp_scale, relax_only, p
     tokens (type-6 quantile); the next, ordinary step solves its own tokens at those held targets."""
     r8, r_hp, adv = _tokens(seed, n, noise, hp_scale)
     known = torch.rand(n, generator=torch.Generator().manual_seed(seed + 1)) < shadow
-    clipper = CalibratedClipper(CalibrationConfig(enabled=True, relax_only=relax_only), eps_low=0.2, eps_high=0.28)
+    clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", relax_only=relax_only), eps_low=0.2, eps_high=0.28)
     stats = clipper.new_stats(reference=True)
     for idx in torch.arange(n).chunk(parts):
         stats.add(r8[idx], adv[idx], ratio_hp=r_hp[idx], hp_mask=known[idx])
@@ -158,7 +158,7 @@ def test_alpha_zero_keeps_a_lower_trust_region(backend, floor):
     adv = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
     r_hp = 1.0 + 0.02 * torch.randn(n, generator=g)  # nothing below 1 - eps_low: alpha = 0
     r8 = r_hp * torch.exp(0.15 * torch.randn(n, generator=g))
-    cfg = CalibrationConfig(enabled=True, backend=backend, lower_floor=floor)
+    cfg = CalibrationConfig(enabled=True, strength="full", backend=backend, lower_floor=floor)
     clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.28)
     stats = clipper.new_stats(reference=True)
     stats.add(r8, adv, ratio_hp=r_hp)
@@ -174,3 +174,45 @@ def test_alpha_zero_keeps_a_lower_trust_region(backend, floor):
         want = spec_solve(r8.numpy(), r_hp.numpy(), adv.numpy(), eps_low=0.2, eps_high=0.28, quantile="next_tokens")
         if backend == "allgather":
             assert (sol.lower, sol.upper) == (want.lower, want.upper)
+
+
+def test_excess_strength_is_the_share_of_clipping_beyond_the_tolerance():
+    from megatron_rl.algo.clipper import excess_strength
+
+    assert excess_strength(0.05, 0.08, 1.0) == 0.0  # 1.6x high precision: within the tolerated 2x
+    assert excess_strength(0.05, 0.20, 1.0) == pytest.approx(0.5)  # 4x: half of the way
+    assert excess_strength(0.05, 0.20, 0.0) == pytest.approx(0.75)
+    assert excess_strength(0.0, 0.10, 1.0) == 1.0  # high precision clips nothing: all of it is excess
+    assert excess_strength(0.05, 0.0, 1.0) == 0.0  # low precision clips nothing: no distortion to correct
+
+
+@pytest.mark.parametrize("noise", [0.02, 0.4])
+def test_excess_strength_keeps_vanilla_bounds_until_the_distortion_is_large(noise):
+    """strength=excess applies the full solve's bounds w of the way from 1 -/+ eps in log space, w from the event's
+    clip fractions: small ratio noise leaves the vanilla bounds, large noise moves them (the full solve's way)."""
+    g = torch.Generator().manual_seed(11)
+    n = 4000
+    adv = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
+    r_hp = torch.exp(0.12 * torch.randn(n, generator=g))
+    r8 = r_hp * torch.exp(noise * torch.randn(n, generator=g))
+    held = {}
+    for strength in ("full", "excess"):
+        clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength=strength), eps_low=0.2, eps_high=0.2)
+        stats = clipper.new_stats(reference=True)
+        stats.add(r8, adv, ratio_hp=r_hp)
+        sol = clipper.solve(stats, smooth=False)
+        held[strength] = (clipper.lower, clipper.upper, clipper.strength, sol)
+    lo_f, hi_f, w_full, sol = held["full"]
+    lo_e, hi_e, w, sol_e = held["excess"]
+    assert w_full == 1.0 and (lo_f, hi_f) == (sol.lower, sol.upper)
+    assert (sol_e.lower, sol_e.upper) == (sol.lower, sol.upper)  # the same solve; only what is applied differs
+    neg = adv < 0
+    alpha_hp = float((r_hp[neg] < 0.8).double().mean())
+    alpha_lp = float((r8[neg] < 0.8).double().mean())
+    assert w == pytest.approx(max(0.0, 1.0 - 2.0 * alpha_hp / alpha_lp), abs=1e-9)
+    if noise < 0.1:
+        assert w == 0.0 and (lo_e, hi_e) == (pytest.approx(0.8), pytest.approx(1.2))
+    else:
+        assert 0.3 < w < 1.0
+        assert lo_e == pytest.approx(math.exp((1 - w) * math.log(0.8) + w * math.log(sol.lower)), rel=1e-6)
+        assert lo_f < lo_e < 0.8
