@@ -123,7 +123,7 @@ def test_per_step_solves_every_step_from_the_training_forwards_alone(world_of_on
     trains at the open bounds [lower_min, upper_max]."""
     from megatron_rl.phases.loss import RLLoss
 
-    cfg = _cfg("algo.calibration.calibrate_every=2", "algo.calibration.shadow_fraction=1")  # partial shadows: test_shadow_rows_*
+    cfg = _cfg("algo.calibration.calibrate_every=2", "algo.calibration.shadow_fraction=1", "algo.calibration.strength=full")  # partial shadows: test_shadow_rows_*
     assert cfg.algo.calibration.bounds_update == "per_step" and cfg.algo.calibration.on_policy_bounds == "open"
     clipper = CalibratedClipper(cfg.algo.calibration, eps_low=0.2, eps_high=0.2)
     batch = _batch(rows=32)
