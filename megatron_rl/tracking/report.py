@@ -146,6 +146,7 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
          f"{fmt(mean_of(rows, 'clipfrac_lower_neg'))} / {fmt(mean_of(rows, 'clipfrac_upper_pos'))} / {fmt(mean_of(rows, 'clipfrac'))}"),
         ("high-precision shadow clipfrac_lower_neg (mean)", fmt(mean_of(rows, "hp/clipfrac_lower_neg"))),
         ("calibrated L / H (final)", final_pair("calib/lower", "calib/upper")),
+        ("calibration strength w (mean; 0 = vanilla bounds, 1 = the solved ones)", fmt(mean_of(rows, "calib/strength"))),
         ("alpha target / achieved (final)", final_pair("calib/alpha_target", "calib/alpha_achieved")),
         ("rho target / achieved (final)", final_pair("calib/rho_target", "calib/rho_achieved")),
         ("ratio quantiles A<0 (0.1% 1% 50% 99% 99.9%)", quantiles("neg")),
