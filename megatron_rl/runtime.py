@@ -216,16 +216,49 @@ def start_rollout(cfg: RunConfig, hf_dir: str, run_dir: Path):
 
 
 def attach_weight_senders(session: "RunSession") -> None:
-    """Give every pipeline stage's sender (TP/DP/CP rank 0 of its stage) a transport to the controller's engines."""
+    """Give every pipeline stage's sender (TP/DP/CP rank 0 of its stage) a transport to the controller's engines;
+    colocated, every learner rank on an engine's device instead, fed to that engine (`attach_colocated_feeders`)."""
     from megatron_rl.parallel.comm import broadcast_from_controller
     from megatron_rl.rollout.sync import build_transport
     from megatron_rl.trainer.weight_export import StreamingExporter
 
     urls = broadcast_from_controller(session.transport.urls if state.is_controller() else None)
+    r = session.cfg.rollout
+    if r.placement == "colocated":
+        attach_colocated_feeders(session, urls)
+        return
     if not state.is_controller() and StreamingExporter(session.learner).is_sender:
-        r = session.cfg.rollout
         session.transport = build_transport(r.weight_sync, urls, session.hf_dir,
                                             r.weight_sync.sync_dir or str(session.run_dir / "weights"), api_key=r.api_key)
+
+
+def attach_colocated_feeders(session: "RunSession", urls: list[str]) -> None:
+    """rollout.placement=colocated: each learner rank on an engine's device gets a tensor transport fed to that engine's
+    TP rank on its device (rollout/colocation.py decides which, once; phases/colocated.py sends). Collective; a layout
+    that cannot work (an engine device without a learner rank, engines in an unknown order) is a ValueError on every rank."""
+    from megatron_rl.phases.colocated import share_feeds
+    from megatron_rl.rollout.colocation import colocated_engines
+    from megatron_rl.rollout.sync import build_transport
+
+    r = session.cfg.rollout
+    engines, error = None, None
+    if state.is_controller():
+        try:
+            if (r.engine == "external" and r.num_engines > 1 and not r.weight_update_urls
+                    and sorted(urls) != sorted(u.rstrip("/") for u in r.urls)):
+                raise ValueError(f"rollout.placement=colocated with rollout.num_engines={r.num_engines} external engines "
+                                 "behind a router: list them in rollout.weight_update_urls in the order they were started "
+                                 "(engine i runs on the i-th group of devices; a router's worker list has no order)")
+            engines = colocated_engines(r, urls)
+        except ValueError as exc:
+            error = str(exc)
+    feed = share_feeds(engines, error)
+    if state.is_controller():
+        session.transport.set_feed(feed)
+    elif feed is not None:
+        session.transport = build_transport(r.weight_sync, urls, session.hf_dir,
+                                            r.weight_sync.sync_dir or str(session.run_dir / "weights"), api_key=r.api_key)
+        session.transport.set_feed(feed)
 
 
 def check_external_rollout(cfg: RunConfig) -> None:

@@ -6,6 +6,8 @@ stage in turn streams its own layers (trainer/weight_export.py: TP shards gather
 at a time onto the stage's sender, renamed, quantized on the learner's device, bucketed) into the
 transport; the controller commits and resumes generation. Trainer and rollout quantize from
 identical bits: FP8 rollout weights are quantized from exactly the learner's parameters.
+Colocated engines (a tensor transport with per-rank feeds) are fed by every rank from its own device
+instead of by the stage senders (phases/colocated.py).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.parallel import state
+from megatron_rl.phases.colocated import colocated_bucket_bytes, stream_colocated
 from megatron_rl.parallel.comm import all_gather_objects, barrier, broadcast_from_controller
 from megatron_rl.trainer.weight_export import Converter, StreamingExporter, check_finite, nbytes, with_last
 
@@ -134,7 +137,11 @@ def sync_weights(learner, transport, precision: PrecisionConfig, weight_version:
     try:
         _agree(error)
         _share_targets(transport)
-        sent, count = stream_to_transport(learner, transport, fmt, weight_version)
+        colocated = colocated_bucket_bytes(transport)
+        if colocated is not None:
+            sent, count = stream_colocated(learner, transport, fmt, weight_version, colocated)
+        else:
+            sent, count = stream_to_transport(learner, transport, fmt, weight_version)
         if controller:
             try:
                 transport.commit(weight_version, fmt.config_updates)

@@ -63,16 +63,21 @@ def embedded_specs(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
                    host: str = "127.0.0.1", random_seed: int = 0, model_loader: Optional[str] = None,
                    num_threads: int = 1, engine_args: Sequence[str] = (), deterministic: bool = False,
                    kv_cache_dtype: str = "auto", api_key: Optional[str] = None,
-                   max_n: Optional[int] = None) -> list[EngineSpec]:
-    """How to start each of `num_engines` embedded engines (engine i seeded random_seed + i, watching this process)."""
+                   max_n: Optional[int] = None,
+                   visible_devices: Optional[Sequence[Sequence[str]]] = None) -> list[EngineSpec]:
+    """How to start each of `num_engines` embedded engines (engine i seeded random_seed + i, watching this process;
+    with `visible_devices`, engine i sees only the devices visible_devices[i]: --visible-devices)."""
     if num_engines < 1:
         raise ValueError("num_engines must be >= 1")
+    if visible_devices is not None and len(visible_devices) != num_engines:
+        raise ValueError(f"visible_devices lists {len(visible_devices)} engines, not {num_engines}")
     parent = os.getpid()
 
     def spec(i: int) -> EngineSpec:
+        args = list(engine_args) + (["--visible-devices", ",".join(visible_devices[i])] if visible_devices else [])
         # the engine binds the port it serves on (port 0 + --port-file; rollout/processes.py), so no probe can race it
         return EngineSpec(lambda port: engine_command(model_path, port, host, tokenizer_path, random_seed + i, model_loader,
-                                                      num_threads, engine_args, deterministic=deterministic,
+                                                      num_threads, args, deterministic=deterministic,
                                                       parent_pid=parent, kv_cache_dtype=kv_cache_dtype,
                                                       api_key=api_key, max_n=max_n), port_file_flag="--port-file")
 
@@ -107,8 +112,15 @@ def launch_engines(model_path: str, num_engines: int = 1, *, tokenizer_path: Opt
 def _embedded_config_specs(cfg, precision, launch_path: str, tokenizer_path: Optional[str] = None,
                            model_loader: Optional[str] = None, num_threads: int = 1, **_gpus) -> list[EngineSpec]:
     """rollout.engine=embedded: CPU engines speaking the SGLang protocol, started from the rollout-format checkpoint
-    (an engine keeps the format it starts in: weight updates are checked against it)."""
+    (an engine keeps the format it starts in: weight updates are checked against it). Colocated engines see only
+    their own device, as SGLang's do (rollout/colocation.py names it)."""
+    visible = None
+    if cfg.placement == "colocated":
+        from megatron_rl.rollout.colocation import device_identity, engine_device_groups
+
+        visible = [[device_identity(i) for i in group] for group in engine_device_groups(cfg)]
     return embedded_specs(launch_path, cfg.num_engines, tokenizer_path=tokenizer_path, host=cfg.host,
+                          visible_devices=visible,
                           random_seed=cfg.seed, model_loader=model_loader, num_threads=num_threads,
                           deterministic=cfg.deterministic_inference, kv_cache_dtype=precision.kv_cache_dtype,
                           api_key=cfg.api_key, max_n=engine_max_n(cfg.n_samples_per_prompt),

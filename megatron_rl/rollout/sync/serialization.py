@@ -104,8 +104,9 @@ def payload_devices(named: Sequence[tuple[str, torch.Tensor]], device: Optional[
             if t.is_cuda else device for _, t in named} - {None}
 
 
-def serialize_per_rank(named: Sequence[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """`serialized_named_tensors` for an engine of `tp_size` TP ranks: one payload per rank, each pickled on its own."""
+def serialize_per_rank(named: Sequence[tuple[str, torch.Tensor]], tp_size: int, device: Optional[str] = None) -> list[str]:
+    """`serialized_named_tensors` for an engine of `tp_size` TP ranks: one payload per rank, each pickled on its own
+    (CPU tensors naming `device` when given)."""
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    return [serialize_named_tensors(named) for _ in range(tp_size)]
+    return [serialize_named_tensors(named, device) for _ in range(tp_size)]

@@ -10,6 +10,13 @@ shared-memory buffer, reused bucket after bucket, carries a whole sync. Updates 
 weight-update session on engines that have sessions (SGLang >= 0.5.23; base.py).
 Only the model's last bucket carries `weight_version` (and flush_cache).
 
+Colocated engines (rollout.placement=colocated) are fed per rank instead (`set_feed`, rollout/colocation.py):
+a colocated SGLang engine opens only handles of its own GPUs, so every learner rank holds the full tensors
+of each bucket (trainer/replicated_export.py) and builds the payload of the engine TP rank on its own
+device (`rank_payload`); the rank feeding TP rank 0 posts them together (`post_feed`) after checking that
+each names one of the engine's devices, since SGLang's scheduler exits on any other (phases/colocated.py
+drives it).
+
 Colocated engines free their memory while the learner trains and take it back before an update:
 `release_memory()` / `resume_memory()` post SGLang's /release_memory_occupation and
 /resume_memory_occupation {tags}. Handles only open on the same host: the config rejects engines
@@ -23,8 +30,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_rl.rollout.client import RolloutClient, run_sync
+from megatron_rl.rollout.colocation import device_identity, own_device_index
 from megatron_rl.rollout.sync.base import Bucket, WeightTransport, memory_body
-from megatron_rl.rollout.sync.serialization import serialize_per_rank
+from megatron_rl.rollout.sync.serialization import payload_devices, serialize_named_tensors, serialize_per_rank
 
 
 class SharedArena:
@@ -57,11 +65,12 @@ class SharedArena:
         return out
 
 
-def update_tensor_body(tensors: Bucket, tp_size: int, final: bool, weight_version: Any) -> dict:
+def update_tensor_body(tensors: Bucket, tp_size: int, final: bool, weight_version: Any,
+                       device: Optional[str] = None) -> dict:
     """The /update_weights_from_tensor body (UpdateWeightsFromTensorReqInput) of one bucket for an engine of `tp_size`
     TP ranks: one payload per rank; only the model's last bucket (`final`) flushes the cache and names the version.
-    CPU tensors must already be in shared memory (SharedArena)."""
-    body = {"serialized_named_tensors": serialize_per_rank(tensors, tp_size), "load_format": None,
+    CPU tensors must already be in shared memory (SharedArena); they name `device` when given (the sender's)."""
+    body = {"serialized_named_tensors": serialize_per_rank(tensors, tp_size, device), "load_format": None,
             "flush_cache": final, "abort_all_requests": False}
     if final:
         body["weight_version"] = str(weight_version)
@@ -79,17 +88,73 @@ class TensorWeightSync(WeightTransport):
         """`receiver_urls` are engines on this host."""
         super().__init__(receiver_urls, bucket_mb, timeout_s, pause_mode, client, api_key)
         self.arena = SharedArena()
+        self.feed = None
+        """This rank's EngineFeed in a colocated sync (rollout/colocation.py), None when it feeds no engine."""
+
+    # ------------------------------------------------------------------ colocated: one payload per learner rank
+    def set_feed(self, feed) -> None:
+        """Feed `feed.url`'s TP rank `feed.tp_rank` from this rank's device (None: feed no engine)."""
+        self.feed = feed
+
+    def feeding(self) -> bool:
+        """Whether this rank feeds an engine this sync (it has a feed and the engine is a live target)."""
+        return self.feed is not None and self.feed.url in self.urls
+
+    def _fed_engine(self) -> dict:
+        return dict(zip(self.urls, self.engine_info()))[self.feed.url]
+
+    def rank_payload(self, bucket: Bucket) -> tuple[str, str]:
+        """(device name, serialized payload) of this rank's copy of `bucket` for its engine TP rank; RuntimeError when
+        the tensors are not on this rank's device (the engine could not open them)."""
+        feed = self.feed
+        if self._fed_engine()["cpu"]:  # a CPU engine cannot open CUDA-IPC handles
+            bucket = [(n, t.cpu()) for n, t in bucket]
+        tensors = self.arena.place(bucket)
+        named = payload_devices(tensors, feed.device)
+        if named - {feed.device}:
+            raise RuntimeError(f"colocated tensor sync: this rank's bucket lives on {sorted(named)}, not on its own device "
+                               f"{feed.device} (TP rank {feed.tp_rank} of engine {feed.url})")
+        return feed.device, serialize_named_tensors(tensors, feed.device)
+
+    def post_feed(self, entries: Sequence[tuple[str, str]], final: bool, weight_version: Any) -> None:
+        """POST one bucket to this rank's engine: `entries` are the (device, payload) of its TP ranks in order (the
+        poster calls it). Refused before anything is sent when a payload names a device the engine does not own:
+        SGLang's scheduler would exit on it (srt/utils/patch_torch.py)."""
+        feed = self.feed
+        tp = self._fed_engine()["tp_size"]
+        if len(entries) != tp or tp != len(feed.devices):
+            raise RuntimeError(f"colocated tensor sync: engine {feed.url} reports tp_size {tp}, the colocated layout gives "
+                               f"it {len(feed.devices)} device(s) and {len(entries)} payload(s) were built; check "
+                               "rollout.engine_tp_size")
+        for r, (device, _) in enumerate(entries):
+            if device not in feed.devices:
+                raise RuntimeError(f"colocated tensor sync: TP rank {r}'s payload for engine {feed.url} names device "
+                                   f"{device}, which the engine does not see ({list(feed.devices)}); SGLang would exit "
+                                   f"on it (Invalid device_uuid={device})")
+        body = {"serialized_named_tensors": [blob for _, blob in entries], "load_format": None,
+                "flush_cache": final, "abort_all_requests": False}
+        if final:
+            body["weight_version"] = str(weight_version)
+        run_sync(self.engine_client(feed.url).call_all("/update_weights_from_tensor", body, self.timeout_s))
+
+    def bucket_done(self) -> None:
+        """After every engine answered for the bucket: free the CUDA blocks whose IPC handles the engines closed."""
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
 
     def send_bucket(self, bucket: Bucket, final: bool) -> None:
-        """POST the bucket's handles to every engine (one payload per engine TP rank) and wait for all of them."""
+        """POST the bucket's handles to every engine (one payload per engine TP rank) and wait for all of them: the
+        stage senders' path, for engines that see the sender's device (not colocated ones: `set_feed`)."""
         if self.any_cpu_engine():  # a CPU engine cannot open CUDA-IPC handles
             bucket = [(n, t.cpu()) for n, t in bucket]
         tensors = self.arena.place(bucket)
+        # the sender's own device, as a CUDA tensor's handle names it: an engine that does not see it refuses the payload
+        device = device_identity(own_device_index())
 
         async def all_engines() -> None:
             await asyncio.gather(*(
                 self.engine_client(url).call_all(
-                    "/update_weights_from_tensor", update_tensor_body(tensors, tp, final, self.weight_version),
+                    "/update_weights_from_tensor", update_tensor_body(tensors, tp, final, self.weight_version, device),
                     self.timeout_s)
                 for url, tp in zip(self.urls, self.engine_tp_sizes())))
 
