@@ -89,7 +89,10 @@ def test_colocated_layout(stubs):
     assert "MASTER_ADDR=node-0" in learner and "rollout.urls=[http://127.0.0.1:30000]" in learner
     # the learner's overrides pass the config's checks (tensor transport to engines on this host)
     learner_overrides = learner.split(f" _ {CONFIG} ")[1].split()
-    assert load_config(CONFIG, learner_overrides).rollout.weight_sync.transport == "tensor"
+    learner_cfg = load_config(CONFIG, learner_overrides)
+    assert learner_cfg.rollout.weight_sync.transport == "tensor"
+    # engine k (GPU k) is the k-th weight target: the learner ranks on its GPU feed it (rollout/colocation.py)
+    assert learner_cfg.rollout.weight_update_urls == [f"http://127.0.0.1:{30001 + k}" for k in range(8)]
     # engines on other nodes cannot receive the learner's handles: refused by the plan before any step
     rc, calls, out = run_script("slurm_colocated.sbatch", stubs, ["node-0", "node-1"], str(CONFIG),
                                 "rollout.mem_fraction_static=0.3")
