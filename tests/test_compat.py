@@ -108,3 +108,125 @@ def test_mode_can_be_suspended(enabled):
     with compat.compat_mode_suspended():
         assert torch.ones(1).type() == "torch.FloatTensor"
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+
+
+# ------------------------------------------------------------------ where the mode is lifted (issue 27 item 1)
+class _Recording(torch.overrides.TorchFunctionMode):
+    """A plain mode that counts the torch calls reaching it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_lift_pops_only_the_compat_mode_and_nests(enabled):
+    """compat_mode_suspended lifts the mode when it is innermost, nests, and leaves a mode pushed above it in charge."""
+    with compat.compat_mode_suspended():
+        with compat.compat_mode_suspended():
+            assert torch.ones(1).type() == "torch.FloatTensor"
+        assert torch.ones(1).type() == "torch.FloatTensor"
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    with _Recording() as rec:
+        with compat.compat_mode_suspended():
+            torch.ones(1).type()  # ours is not innermost: nothing is lifted, both modes see the call
+            assert torch.zeros(1, device="cuda").device.type == "cpu"
+        assert rec.calls >= 2
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+
+
+def test_a_lifted_module_restores_the_mode_after_an_exception(enabled):
+    """run_without_compat_mode: the forward runs without the mode; the mode is back after a normal or a failing forward."""
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, fail: bool):
+            seen.append(torch.ones(1).type())
+            if fail:
+                raise ValueError("boom")
+            return torch.zeros(1)
+
+    probe = compat.run_without_compat_mode(Probe())
+    probe(False)
+    with pytest.raises(ValueError):
+        probe(True)
+    assert seen == ["torch.FloatTensor", "torch.FloatTensor"]
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
+
+
+@pytest.fixture(scope="module")
+def tiny_learner():
+    """A world-1 tiny learner with tensorwise FP8 emulation (the mode's heaviest forward)."""
+    import warnings
+
+    from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig
+    from megatron_rl.config.precision import PrecisionConfig
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.learner import Learner
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.set_num_threads(1)
+    lrn = Learner(ModelConfig(preset="tiny"), ParallelConfig(), OptimConfig(lr=1e-3, clip_grad=1.0),
+                  PrecisionConfig(recipe="tensorwise"), vocab_size=40, seed=3)
+    yield lrn
+    state.destroy_distributed()
+
+
+def _batch():
+    from megatron_rl.types import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 40, (4, 8), generator=g), torch.randint(0, 40, (4, 8), generator=g)
+    mask = torch.ones(4, 8)
+    return TrainBatch(ids, labels, mask, torch.randn(4, 1).expand(4, 8).contiguous(), torch.zeros(4, 8),
+                      token_weight=mask / mask.sum())
+
+
+def test_learner_keeps_the_redirects_megatron_needs_and_lifts_the_rest(tiny_learner, monkeypatch):
+    """In a train step and a log-prob pass the schedule's CUDA token counter and the optimizer's CUDA scalars and
+    type() checks still go through the mode (lose one and this fails; the step would also raise), while no torch call
+    made inside the transformer blocks reaches it."""
+    import sys
+
+    redirected, in_blocks = [], []
+    original = compat._CudaToCpuMode.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        frame, files = sys._getframe(1), []
+        while frame is not None and len(files) < 80:
+            files.append(frame.f_code.co_filename)
+            frame = frame.f_back
+        if any(f.endswith("transformer/transformer_block.py") for f in files):
+            in_blocks.append(func)
+        device = (kwargs or {}).get("device")
+        if (device is not None and compat._map_device(device) is not device) or func is compat._TENSOR_TYPE:
+            redirected.append(next((f.split("megatron/core/")[-1] for f in files if "megatron/core/" in f), "elsewhere"))
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(compat._CudaToCpuMode, "__torch_function__", spy)
+    loss_fn = lambda lp, ent, mb, ctx: (-(lp * mb.advantages * mb.token_weight).sum(), {})  # noqa: E731
+    metrics = tiny_learner.train_step(_batch(), loss_fn, 2)
+    tiny_learner.forward_logprobs(_batch(), 2)
+    assert metrics["update_skipped"] == 0.0
+    assert in_blocks == []
+    assert "pipeline_parallel/schedules.py" in redirected  # total_num_tokens = torch.zeros(..., device="cuda")
+    assert "optimizer/clip_grads.py" in redirected  # grad-norm scalars on "cuda", param.type() == "torch.cuda.FloatTensor"
+
+
+def test_lifting_the_mode_over_megatrons_schedule_fails_loudly(tiny_learner, monkeypatch):
+    """The reason the mode is not lifted around the whole schedule: megatron asks for device='cuda' there."""
+    from megatron.core import pipeline_parallel
+
+    real = pipeline_parallel.get_forward_backward_func()
+
+    def lifted(**kwargs):
+        with compat.compat_mode_suspended():
+            return real(**kwargs)
+
+    monkeypatch.setattr(pipeline_parallel, "get_forward_backward_func", lambda *a, **k: lifted)
+    with pytest.raises((RuntimeError, AssertionError), match="CUDA|cuda"):
+        tiny_learner.forward_logprobs(_batch(), 2)

@@ -18,12 +18,15 @@ upgrade removes or changes one of them):
 3. A process-wide ``TorchFunctionMode`` maps ``device="cuda"``/``"cuda:N"``/int devices to
    cpu in tensor factories and ``Tensor.to``, drops ``pin_memory=True``, makes ``Tensor.cuda()`` and ``Tensor.pin_memory()``
    return the tensor itself, and makes ``Tensor.type()`` report ``torch.cuda.<T>`` for
-   ``torch.<T>`` (megatron's optimizers branch on that string).
+   ``torch.<T>`` (megatron's optimizers branch on that string). Every torch call pays for its
+   Python ``__torch_function__`` (~1 us), so it is lifted where nothing needs it:
+   ``run_without_compat_mode`` (the learner's transformer blocks) and ``compat_mode_suspended``.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -172,15 +175,67 @@ def disable_cpu_compat() -> None:
     _STATE.update(enabled=False, mode=None, originals={})
 
 
+class _ModeLift(threading.local):
+    """Takes the compat mode off the torch-function mode stack and puts it back (re-entrant, per thread).
+
+    Only when the mode is the innermost one (a mode pushed above it, e.g. by a test, stays in charge
+    and so does ours); the stack is the thread's own, as torch keeps it.
+    """
+
+    def __init__(self):
+        """No lift in progress."""
+        self.lifted: list[Any] = []
+
+    def enter(self) -> None:
+        """Pop the compat mode if it is on top."""
+        mode = _STATE["mode"]
+        top = torch._C._len_torch_function_stack()
+        on_top = mode is not None and top > 0 and torch._C._get_function_stack_at(top - 1) is mode
+        if on_top:
+            torch._C._pop_torch_function_stack()
+        self.lifted.append(mode if on_top else None)
+
+    def exit(self) -> None:
+        """Push back what the matching enter() popped."""
+        mode = self.lifted.pop()
+        if mode is not None:
+            torch._C._push_on_torch_function_stack(mode)
+
+
+_LIFT = _ModeLift()
+
+
+def _lift_hook(*_: Any) -> None:
+    """Forward pre-hook of run_without_compat_mode (a plain function: a module copies and pickles with it)."""
+    _LIFT.enter()
+
+
+def _restore_hook(*_: Any) -> None:
+    """Always-called forward hook of run_without_compat_mode."""
+    _LIFT.exit()
+
+
 @contextlib.contextmanager
 def compat_mode_suspended() -> Iterator[None]:
-    """Lift the TorchFunctionMode for the block (it costs ~10 us per torch call; e.g. HF generation on a learner rank)."""
-    mode = _STATE["mode"]
-    if mode is None:
-        yield
-        return
-    mode.__exit__(None, None, None)
+    """Lift the TorchFunctionMode for the block (~1 us per torch call otherwise); a no-op where it is not installed (GPU)."""
+    _LIFT.enter()
     try:
         yield
     finally:
-        mode.__enter__()
+        _LIFT.exit()
+
+
+def run_without_compat_mode(module: torch.nn.Module) -> torch.nn.Module:
+    """Make every forward of `module` run with the compat mode lifted (forward hooks; a no-op on GPU, where it is never installed).
+
+    For compute that asks for no CUDA device by name: the learner's transformer blocks
+    (trainer/model.py), whose ops would otherwise each pass through the mode's Python
+    __torch_function__. megatron's CUDA requests sit outside them (schedules' token counter,
+    optimizer, DDP buffers, the context-parallel RoPE index in GPTModel), so the redirects stay
+    where they are needed (tests/test_compat.py). Backward needs no lift: autograd does not run
+    the mode on the backward ops. A torch call inside that names a CUDA device fails loudly
+    ("Torch not compiled with CUDA") rather than silently leaving the CPU.
+    """
+    module.register_forward_pre_hook(_lift_hook)
+    module.register_forward_hook(_restore_hook, always_call=True)
+    return module

@@ -121,6 +121,7 @@ def warm_start(config: Path, out: Path, depth: int, data: dict[str, str], say: C
 def sample_answers(hf: Path, rows, cfg, n: int, seed: int):
     """Samples (types.Sample, prompt-major groups of n) from the high-precision engine at the config's sampling settings."""
     from megatron_rl.engine.generation import Engine, GenerationRequest, SamplingParams
+    from megatron_rl.parallel.compat import compat_mode_suspended
     from megatron_rl.types import Sample
 
     engine = Engine(str(hf), tokenizer_path=str(hf))
@@ -133,7 +134,9 @@ def sample_answers(hf: Path, rows, cfg, n: int, seed: int):
                                            "max_new_tokens": s.max_new_tokens, "sampling_seed": seed * 100_003 + i})
         reqs.append(GenerationRequest(input_ids=ids, params=params))
     samples = []
-    for gid, (row, req, outs) in enumerate(zip(rows, reqs, engine.generate(reqs))):
+    with compat_mode_suspended():  # the learner of this process installed the CPU compat mode; generation needs none
+        outputs = engine.generate(reqs)
+    for gid, (row, req, outs) in enumerate(zip(rows, reqs, outputs)):
         for o in outs:
             text = tok.decode(o.output_ids, skip_special_tokens=True)
             samples.append(Sample(prompt_ids=req.input_ids, response_ids=list(o.output_ids), rollout_logprobs=list(o.logprobs),
@@ -145,12 +148,15 @@ def sample_answers(hf: Path, rows, cfg, n: int, seed: int):
 def greedy_accuracy(hf: Path, rows, reward_fn, is_malformed, max_new_tokens: int) -> dict[str, float]:
     """Held-out greedy accuracy (and malformed fraction) of an HF export, through the high-precision engine."""
     from megatron_rl.engine.generation import Engine, GenerationRequest, SamplingParams
+    from megatron_rl.parallel.compat import compat_mode_suspended
 
     engine = Engine(str(hf), tokenizer_path=str(hf))
     tok = engine.tokenizer
     params = SamplingParams.from_dict({"n": 1, "temperature": 0.0, "max_new_tokens": max_new_tokens})
     reqs = [GenerationRequest(input_ids=tok(r.prompt, add_special_tokens=False)["input_ids"], params=params) for r in rows]
-    texts = [tok.decode(outs[0].output_ids, skip_special_tokens=True) for outs in engine.generate(reqs)]
+    with compat_mode_suspended():
+        outputs = engine.generate(reqs)
+    texts = [tok.decode(outs[0].output_ids, skip_special_tokens=True) for outs in outputs]
     out = {"accuracy": sum(reward_fn(t, r.answer)[1] for t, r in zip(texts, rows)) / len(rows)}
     if is_malformed is not None:
         out["malformed"] = sum(is_malformed(t) for t in texts) / len(rows)

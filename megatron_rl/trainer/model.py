@@ -29,6 +29,7 @@ import torch
 from megatron_rl.config.model import OptimConfig, ParallelConfig
 from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.models.presets import Architecture, gpt_model_kwargs, transformer_config_kwargs
+from megatron_rl.parallel.compat import run_without_compat_mode
 from megatron_rl.trainer.spec import block_spec, uses_te_spec
 
 FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
@@ -175,6 +176,9 @@ def build_model_chunks(arch: Architecture, config: Any, precision_cfg: Precision
             from megatron_rl.precision.fp4_linear import assign_fp4_streams
 
             assign_fp4_streams(model)
+        # the transformer layers ask for no CUDA device by name: their ops skip the CPU compat mode's
+        # per-call __torch_function__ (a no-op on GPU, where the mode is never installed)
+        run_without_compat_mode(model.decoder)
         chunks.append(model)
     return chunks
 
