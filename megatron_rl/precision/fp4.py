@@ -72,7 +72,8 @@ def round_e2m1(v: torch.Tensor, uniforms: Optional[torch.Tensor] = None) -> torc
     step = binade.sub_(1 << 23).view(torch.float32)
     units = a.div_(step)
     low = torch.floor(units)
-    r = low.add_(uniforms < units.sub_(low)).mul_(step)
+    # frac > u as 1.0 / 0.0 in place (NaN gives 0, as u < NaN is False): adding a bool tensor would convert it
+    r = low.add_(units.sub_(low).gt_(uniforms)).mul_(step)
     return r.copysign_(v)
 
 
