@@ -1,58 +1,95 @@
-# megatron_rl GPU image: NVIDIA's PyTorch container (CUDA, torch, Transformer Engine, apex), megatron-core and
-# this package in the image's Python; SGLang in its own virtual environment, because it pins its own torch.
+# megatron_rl GPU image: one Python, one torch, one NCCL for the learner and the SGLang engines. It starts from
+# SGLang's own release image (SGLang with the torch and NCCL it pins, CUDA 13, Python 3.12) and installs Transformer
+# Engine, megatron-core and this package into that same interpreter, as slime and miles build theirs: the
+# `distributed` weight transport puts learner ranks and engine ranks into one NCCL group, and NCCL refuses peers of
+# different versions (a second torch in a virtual environment would bring a second NCCL).
 #
 #   docker build -t megatron_rl:latest .
 #   docker run --gpus all --ipc=host --rm -it megatron_rl:latest \
 #       megatron-rl plan examples/configs/qwen3_8b_fp8_grpo.yaml --nodes 2
+#   docker run --gpus all --ipc=host --rm megatron_rl:latest bash tests/gpu/run_image.sh     # the image's GPU checks
 #
-# Not built by this repository's CI (no container engine or image registry there): tests/test_dockerfile.py
-# lints it with hadolint and checks the pins below against constraints/cpu.txt.
+# Not built by this repository's CI (no container engine or image registry there): tests/test_dockerfile.py lints it
+# with hadolint and checks its rules (one interpreter, the proof step, pins agreeing with constraints/).
 #
-# Versions live in one place each: the build arguments below (base image, SGLang, apex, and the Python pins the
-# test compares with constraints/cpu.txt and, for SGLang, constraints/conformance.txt: the version the conformance
-# tier checks the project against), and constraints/cpu.txt for every other Python package.
-# BASE_IMAGE is the NGC release megatron-core 0.16.1's own development image is built on
-# (docker/.ngc_version.dev at tag core_v0.16.1): torch 2.10 pre-release, CUDA 13, Transformer Engine 2.x, Python 3.12.
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
+# Versions live in one place each: the build arguments below; SGLANG_VERSION is constraints/conformance.txt's sglang
+# (the version the conformance tier checks the project against), MEGATRON_CORE_VERSION and SGLANG_ROUTER_VERSION are
+# constraints/cpu.txt's, TRANSFORMER_ENGINE_VERSION is conformance.txt's transformer-engine. Every other package
+# keeps the version the SGLang image has, else takes constraints/cpu.txt's (tools/check_one_environment.py
+# constraints), so installing the learner never moves a package SGLang was built with.
+#
+# BASE_IMAGE: SGLang publishes lmsysorg/sglang:v<version> and, for its CUDA 13 build, v<version>-cu130 (the release
+# tag_config of sgl-project/sglang .github/workflows/_docker-build-and-publish.yml callers, as
+# test/registered/unit/tools/test_docker_build_metadata_args.py spells it: "v{version}-cu130"), built from
+# docker/Dockerfile's framework_final stage on nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04 (nvcc and cuDNN headers
+# present: Transformer Engine's torch extension compiles there). sglang 0.5.23 requires torch==2.14.1, which requires
+# nvidia-nccl-cu13==2.30.7 (their wheels' METADATA); the image's python3 is the interpreter holding them.
+ARG SGLANG_VERSION=0.5.23
+ARG BASE_IMAGE=lmsysorg/sglang:v${SGLANG_VERSION}-cu130
 FROM ${BASE_IMAGE}
 
+ARG SGLANG_VERSION
 ARG MEGATRON_CORE_VERSION=0.16.1
 ARG SGLANG_ROUTER_VERSION=0.3.2
-ARG SGLANG_VERSION=0.5.23
+ARG TRANSFORMER_ENGINE_VERSION=2.20.2
 ARG APEX_REF=25.09
-ARG SGLANG_VENV=/opt/sglang
+ARG PYTHON=python3
+# Transformer Engine's build: the GPUs to compile for (Hopper, Blackwell) and parallel jobs.
+ARG NVTE_CUDA_ARCHS=90;100
+ARG MAX_JOBS=8
 
-# The NGC image pins its own packages through PIP_CONSTRAINT; this project installs against its own constraints.
+# The base image may pin its packages through PIP_CONSTRAINT; every install below passes the merged constraints.
 ENV PIP_CONSTRAINT="" \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONUNBUFFERED=1
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/megatron_rl
 
-# Transformer Engine and apex ship with the base image; fail here rather than at the first FP8 step if not, and
-# build apex from its release tag for a base image that lacks it.
-RUN python -c "import torch, transformer_engine.pytorch as te; print('torch', torch.__version__, 'TE', te.__version__)" \
- && (python -c "import apex" 2>/dev/null \
-     || APEX_CPP_EXT=1 APEX_CUDA_EXT=1 pip install --no-cache-dir --no-build-isolation \
-        "apex @ git+https://github.com/NVIDIA/apex.git@${APEX_REF}")
-
-# Project files, then the install: constraints/cpu.txt without its torch pin (the image's CUDA build of torch stays).
-COPY setup.py pyproject.toml README.md ./
+# The base image's torch and NCCL, recorded before anything is added (the last step checks they are still the ones
+# imported), and the constraints every install runs under.
+COPY tools/check_one_environment.py tools/check_one_environment.py
 COPY constraints/ constraints/
+RUN "${PYTHON}" -c "import sglang, sys; v = sglang.__version__; sys.exit(0 if v == '${SGLANG_VERSION}' else f'base image has sglang {v}, not ${SGLANG_VERSION}')" \
+ && "${PYTHON}" tools/check_one_environment.py probe --import sglang > base_environment.json \
+ && "${PYTHON}" tools/check_one_environment.py constraints constraints/cpu.txt \
+        --ours megatron-core --ours sglang-router --ours pybind11 > constraints/image.txt
+
+# Transformer Engine into the same interpreter: its core library for CUDA 13, and its torch extension compiled against
+# this torch (--no-build-isolation) with the headers of the NCCL torch loads. (Steps stay separate layers: the long TE
+# and apex builds are cached apart from the project's own install, and the proof step fails on its own line.)
+# hadolint ignore=DL3059
+RUN "${PYTHON}" -m pip install --no-cache-dir -c constraints/image.txt "pybind11[global]==3.1.0" \
+ && NCCL_HOME="$("${PYTHON}" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])')" \
+ && CPATH="${NCCL_HOME}/include${CPATH:+:${CPATH}}" LIBRARY_PATH="${NCCL_HOME}/lib${LIBRARY_PATH:+:${LIBRARY_PATH}}" \
+    NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS="${NVTE_CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
+    "${PYTHON}" -m pip install --no-cache-dir --no-build-isolation -c constraints/image.txt \
+        "transformer_engine[pytorch,core_cu13]==${TRANSFORMER_ENGINE_VERSION}" \
+ && "${PYTHON}" -c "import transformer_engine.pytorch as te; print('TE', te.__version__)"
+
+# apex (megatron's gradient-accumulation fusion kernels), built against this torch from its release tag when the base
+# image lacks it.
+# hadolint ignore=DL3059
+RUN "${PYTHON}" -c "import apex" 2>/dev/null \
+ || APEX_CPP_EXT=1 APEX_CUDA_EXT=1 MAX_JOBS="${MAX_JOBS}" "${PYTHON}" -m pip install --no-cache-dir --no-build-isolation \
+        -c constraints/image.txt "apex @ git+https://github.com/NVIDIA/apex.git@${APEX_REF}"
+
+# Project files, then megatron-core, sglang-router and this package under the same constraints.
+COPY setup.py pyproject.toml README.md ./
 COPY megatron_rl/ megatron_rl/
 COPY examples/ examples/
 COPY tools/ tools/
 COPY scripts/ scripts/
-RUN grep -v '^torch==' constraints/cpu.txt > /tmp/constraints.txt \
- && pip install --no-cache-dir -c /tmp/constraints.txt \
-        "megatron-core==${MEGATRON_CORE_VERSION}" "sglang-router==${SGLANG_ROUTER_VERSION}" -e ".[router,wandb]" \
- && python -c "import megatron.core, megatron_rl, sglang_router; print('megatron-core', megatron.core.__version__)"
+COPY tests/ tests/
+RUN "${PYTHON}" -m pip install --no-cache-dir -c constraints/image.txt \
+        "megatron-core==${MEGATRON_CORE_VERSION}" "sglang-router==${SGLANG_ROUTER_VERSION}" -e ".[router,wandb]"
 
-# SGLang with its own torch: configs point rollout.sglang_python at this interpreter
-# (examples/configs/qwen3_*.yaml set /opt/sglang/bin/python).
-RUN python -m venv "${SGLANG_VENV}" \
- && "${SGLANG_VENV}/bin/pip" install --no-cache-dir "sglang==${SGLANG_VERSION}" \
- && "${SGLANG_VENV}/bin/python" -c "import sglang; print('sglang', sglang.__version__)"
+# The proof: SGLang (rollout.sglang_python, by default the learner's own interpreter) and the learner import one torch
+# and one NCCL, the one torch pins and the base image had; TE and megatron-core import at their pins.
+# hadolint ignore=DL3059
+RUN "${PYTHON}" tools/check_one_environment.py check --sglang-python "$(command -v "${PYTHON}")" \
+        --sglang-version "${SGLANG_VERSION}" --te-version "${TRANSFORMER_ENGINE_VERSION}" \
+        --megatron-core-version "${MEGATRON_CORE_VERSION}" --baseline base_environment.json
 
 CMD ["bash"]

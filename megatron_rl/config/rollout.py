@@ -1,6 +1,7 @@
 """Rollout engines, the HTTP client that drives them, and weight sync."""
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Literal, Optional
 from urllib.parse import urlparse
 
@@ -114,8 +115,8 @@ class RolloutConfig(StrictConfig):
     """none: each step generates, then trains; one_step_off: step t+1's samples are generated (with the weights of step t) while step t trains."""
     engine_gpus: list[Annotated[int, Field(ge=0)]] = []
     """CUDA device indices of this node for the SGLang engines, in order (empty = the GPUs after the learner's local ranks)."""
-    sglang_python: str = "python"
-    """Python executable of the environment SGLang is installed in (engine=sglang; SGLang pins its own torch)."""
+    sglang_python: str = Field(default_factory=lambda: sys.executable)
+    """Python executable SGLang runs in (engine=sglang); default: the learner's own, as in the GPU image, where learner and engines share one torch and one NCCL."""
     sglang_args: list[str] = []
     """Extra `sglang.launch_server` flags appended verbatim to every engine's command line."""
     mem_fraction_static: Optional[float] = Field(None, gt=0, lt=1, allow_inf_nan=False)
