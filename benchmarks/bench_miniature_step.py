@@ -27,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples" / "studies" / "deep_addtrace_grpo.yaml"
+EVAL_PROMPTS = 200
+"""Held-out prompts of each of a run's two greedy evaluations (the old code sends one request per prompt)."""
 
 
 def worktree(ref: str, where: Path) -> Path:
@@ -48,6 +50,7 @@ def run_once(tree: Path, study, arm: str, seed: int, warm: list[str], steps: int
     env = child_env(study, arm)
     env["PYTHONPATH"] = str(tree)
     overrides = [*study.run_overrides(arm, seed, warm), f"train.steps={steps}", "checkpoint.save_every=0",
+                 f"train.eval_max_prompts={EVAL_PROMPTS}",
                  "checkpoint.resume=false", f"run_dir={json.dumps(str(run_dir))}"]
     base = tree / "examples" / "configs" / study.base.name
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(base), *overrides]
@@ -109,7 +112,7 @@ def main() -> None:
         for label in ("old", "new"):
             print(f"fp8_tensorwise / hp step ({label}): {step_median('fp8_tensorwise', label) / step_median('hp', label):.2f}")
     print(f"(rest = run wall time outside the RL steps: start-up, engine launch, two greedy evaluations of "
-          f"{study.warm_start_config().train.eval_max_prompts} prompts)")
+          f"{EVAL_PROMPTS} prompts)")
     print("load average:", " ".join(Path("/proc/loadavg").read_text().split()[:3]))
 
 
