@@ -67,12 +67,18 @@ class RunSession:
     """HealthGuard of the run (its counters are checkpointed)."""
     is_malformed: Optional[Callable[[str], bool]] = None
     """The task's answer-format check behind the malformed/* metrics (None: the prompts record no task with a format)."""
+    kv_cache: Any = None
+    """phases/kv_cache.py KvCacheScales: the recalibrated FP8 KV cache scales (None unless precision recalibrates them)."""
     started: float = field(default_factory=time.perf_counter)
     """perf_counter() when this session (process) started building the run."""
 
     def wall_time(self) -> float:
         """Seconds spent on this run: earlier sessions up to their last checkpoint plus this session so far."""
         return float(self.rl_state.get("wall_s", 0.0)) + time.perf_counter() - self.started
+
+    def kv_scales(self) -> Optional[torch.Tensor]:
+        """[L, 2] FP8 KV cache scales every weight sync carries (None: the engines keep SGLang's 1.0)."""
+        return self.kv_cache.scales() if self.kv_cache is not None else None
 
     def sessions(self) -> int:
         """How many sessions (the first run and each resume) this run has taken, this one included."""
@@ -282,7 +288,7 @@ def check_rollout_engines(cfg: RunConfig) -> None:
         from megatron_rl.rollout.sglang_launcher import check_sglang_python, engine_gpu_groups, trainer_local_gpus, visible_gpu_count
 
         engine_gpu_groups(cfg.rollout, visible_gpu_count(), trainer_local_gpus())
-        check_sglang_python(cfg.rollout.sglang_python)
+        check_sglang_python(cfg.rollout.sglang_executable)
 
 
 def open_session(cfg: RunConfig) -> RunSession:
@@ -323,6 +329,9 @@ def open_session(cfg: RunConfig) -> RunSession:
 
         session.reference = ReferencePolicy(learner)
     _maybe_resume(session)
+    from megatron_rl.phases import kv_cache
+
+    session.kv_cache = kv_cache.start(session)  # restored, or measured on the first prompts before the first sync
     if state.is_controller():
         session.cluster, session.client, session.transport = start_rollout(cfg, hf_dir, run_dir)
     attach_weight_senders(session)
@@ -403,7 +412,8 @@ def save(session: RunSession, step: int, extra: dict) -> None:
     # the clipper's state is the last pipeline stage's: StepCalibration.finish copies it to every stage each step
     rl_state = {"step": step, "rng": rng_state(), "clipper": session.clipper.state_dict() if session.clipper else None,
                 "prompt_cursor": session.prompts.cursor, "health": session.health.state_dict(),
-                "wall_s": session.wall_time(), "sessions": session.sessions(), **extra}
+                "wall_s": session.wall_time(), "sessions": session.sessions(),
+                "kv_cache_scales": session.kv_cache.state_dict() if session.kv_cache is not None else None, **extra}
     save_checkpoint(session.learner, checkpoint_root(session), step, rl_state, keep_last=session.cfg.checkpoint.keep_last,
                     protect=vouched_checkpoint(session))
 

@@ -118,9 +118,9 @@ def test_gpu_configs_use_the_learners_own_interpreter():
     """No shipped config names a second SGLang environment: rollout.sglang_python defaults to the learner's Python."""
     from megatron_rl.config.rollout import RolloutConfig
 
-    assert RolloutConfig().sglang_python == sys.executable
+    assert RolloutConfig().sglang_executable == sys.executable
     for name in ("qwen3_8b_fp8_grpo.yaml", "qwen3_14b_fp8_dapo.yaml", "qwen3_32b_fp8_dapo.yaml"):
-        assert load_config(ROOT / "examples" / "configs" / name).rollout.sglang_python == sys.executable, name
+        assert load_config(ROOT / "examples" / "configs" / name).rollout.sglang_executable == sys.executable, name
     for path in (ROOT / "examples").rglob("*"):
         if path.is_file() and path.suffix in (".yaml", ".sh", ".sbatch"):
             assert "/opt/sglang" not in path.read_text(), path

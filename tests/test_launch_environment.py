@@ -61,7 +61,7 @@ def test_dry_run_gives_every_gpu_to_the_engines(config, capsys, torchrun_env):
         assert all(_is_launcher_variable(n) for n in removed) and "KEEP_ME" not in ln["env"]
     for ln in engines:
         argv = ln["argv"]
-        assert argv[:3] == [cfg.rollout.sglang_python, "-m", "sglang.launch_server"]
+        assert argv[:3] == [cfg.rollout.sglang_executable, "-m", "sglang.launch_server"]
         assert {a for a in argv if a.startswith("--")} <= SGLANG_FLAGS
         assert argv[argv.index("--tp-size") + 1] == str(cfg.rollout.engine_tp_size)
     ports = [ln["argv"][ln["argv"].index("--port") + 1] for ln in engines]

@@ -115,8 +115,8 @@ class RolloutConfig(StrictConfig):
     """none: each step generates, then trains; one_step_off: step t+1's samples are generated (with the weights of step t) while step t trains."""
     engine_gpus: list[Annotated[int, Field(ge=0)]] = []
     """CUDA device indices of this node for the SGLang engines, in order (empty = the GPUs after the learner's local ranks)."""
-    sglang_python: str = Field(default_factory=lambda: sys.executable)
-    """Python executable SGLang runs in (engine=sglang); default: the learner's own, as in the GPU image, where learner and engines share one torch and one NCCL."""
+    sglang_python: Optional[str] = None
+    """Python executable SGLang runs in (engine=sglang); None = the learner's own interpreter, as in the GPU image, where learner and engines share one torch and one NCCL (resolved at launch, so a recorded config names no machine path)."""
     sglang_args: list[str] = []
     """Extra `sglang.launch_server` flags appended verbatim to every engine's command line."""
     mem_fraction_static: Optional[float] = Field(None, gt=0, lt=1, allow_inf_nan=False)
@@ -232,6 +232,11 @@ class RolloutConfig(StrictConfig):
         if self.api_key is not None and (not self.api_key or any(c.isspace() or not c.isprintable() for c in self.api_key)):
             raise ValueError("rollout.api_key must be a non-empty string without whitespace (it is sent in an HTTP header)")
         return self
+
+    @property
+    def sglang_executable(self) -> str:
+        """sglang_python with None resolved to this process's interpreter."""
+        return self.sglang_python or sys.executable
 
     @property
     def resolved_sequences_per_request(self) -> int:

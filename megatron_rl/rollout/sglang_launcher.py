@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from typing import Optional, Sequence
 
 from megatron_rl.rollout.processes import EngineSpec, LaunchError, RolloutCluster, start_cluster
@@ -46,7 +47,7 @@ def sglang_command(cfg, precision, model_path: str, port: int, seed: int) -> lis
     """argv of one SGLang server for a RolloutConfig and PrecisionConfig."""
     from megatron_rl.precision.rollout_formats import rollout_format
 
-    cmd = [cfg.sglang_python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", cfg.host,
+    cmd = [cfg.sglang_python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", cfg.host,
            "--port", str(port), "--tp-size", str(cfg.engine_tp_size), "--dp-size", str(cfg.engine_dp_size),
            "--random-seed", str(seed),
            # the trainer sends token ids and decodes itself
@@ -178,7 +179,7 @@ def launch_sglang_engines(cfg, precision, model_path: str, log_dir: Optional[str
     if errors:
         raise LaunchError("; ".join(errors))
     groups = node_gpu_groups(cfg, visible_gpus, learner_gpus)
-    check_sglang_python(cfg.sglang_python)
+    check_sglang_python(cfg.sglang_python or sys.executable)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise LaunchError(f"SGLang engines need an HF model directory; {model_path!r} has no config.json")
     launch_path = write_launch_checkpoint(model_path, precision, launch_dir or os.path.join(log_dir or ".", "launch"))
