@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from megatron_rl.config.base import NonNegativeInt, PositiveInt, Seed, StrictConfig
 
@@ -36,7 +36,13 @@ class PrecisionConfig(StrictConfig):
     rollout_scale_fmt: Literal["auto", "fp32", "ue8m0"] = "auto"
     """Scale format of the rollout weights (ue8m0 = power-of-two scales); auto = ue8m0 for fp8-blockwise on Blackwell (sm100) engines, whose SGLang requantizes block scales to UE8M0, else fp32 (CPU too); resolved when the config loads (precision/device.py)."""
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
-    """KV-cache dtype of the rollout engines: SGLang's --kv-cache-dtype; embedded engines emulate fp8_e4m3 (E4M3 K/V, per-tensor scales 1.0)."""
+    """KV-cache dtype of the rollout engines: SGLang's --kv-cache-dtype; embedded engines emulate fp8_e4m3 (E4M3 K/V with each layer's per-tensor scales)."""
+    kv_cache_scales: Literal["auto", "recalibrate", "unit"] = "auto"
+    """FP8 KV cache scales: recalibrate (the learner measures each layer's K/V amax on the step's old-log-prob forward; every weight sync carries the scales), unit (SGLang's default 1.0 everywhere, kept to measure against); auto = recalibrate when kv_cache_dtype=fp8_e4m3, except with rollout_quantization=fp8-channel (SGLang's w8a8_fp8 loads no K/V scales: unit); precision/kv_scales.py."""
+    kv_cache_scale_window: PositiveInt = 4
+    """recalibrate: a scale covers the max K/V amax of the last this many (>= 1) steps."""
+    kv_cache_scale_headroom: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
+    """recalibrate: scale = headroom (>= 1) x amax / 448: the margin between the measured amax and FP8 overflow (SGLang does not clamp: overflow is NaN)."""
     fp4_hadamard_wgrad: bool = True
     """FP4 recipes: apply the 16x16 random-sign Hadamard transform to both wgrad operands along tokens before quantizing (TE NVFP4BlockScaling's default)."""
     fp4_stochastic_rounding: bool = True
@@ -52,6 +58,14 @@ class PrecisionConfig(StrictConfig):
             raise ValueError("precision.first_last_layers_high_precision is not supported with recipe=delayed (as in megatron-core)")
         if self.fp8_params and self.recipe == "none":
             raise ValueError("precision.fp8_params needs an FP8 recipe (recipe is 'none')")
+        if self.kv_cache_scales == "recalibrate" and self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError("precision.kv_cache_scales=recalibrate needs precision.kv_cache_dtype=fp8_e4m3 "
+                             f"(got {self.kv_cache_dtype!r}: the cache keeps K/V unquantized)")
+        if self.kv_cache_scales == "recalibrate" and self.rollout_quantization == "fp8-channel":
+            raise ValueError("precision.kv_cache_scales=recalibrate is not available with "
+                             "precision.rollout_quantization=fp8-channel: SGLang's w8a8_fp8 quant method creates no "
+                             "K/V cache scales (W8A8Fp8Config.get_quant_method), so engines would serve 1.0; use "
+                             "fp8-blockwise or none, or kv_cache_scales=unit")
         if self.fp8_params and self.recipe == "mxfp4":
             raise ValueError("precision.fp8_params is not available with recipe=mxfp4 (megatron-core has no MXFP4 parameters)")
         return self
@@ -60,6 +74,13 @@ class PrecisionConfig(StrictConfig):
     def fp8_enabled(self) -> bool:
         """True when the learner computes its linear layers in low precision (FP8 or FP4)."""
         return self.recipe != "none"
+
+    @property
+    def recalibrates_kv_scales(self) -> bool:
+        """True when the learner measures K/V cache scales and every weight sync carries them (kv_cache_scales resolved)."""
+        if self.kv_cache_dtype != "fp8_e4m3" or self.kv_cache_scales == "unit":
+            return False
+        return self.kv_cache_scales == "recalibrate" or self.rollout_quantization != "fp8-channel"
 
     @property
     def fp4_enabled(self) -> bool:

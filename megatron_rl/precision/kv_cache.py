@@ -2,9 +2,9 @@
 SGLang's ``--kv-cache-dtype fp8_e4m3`` on them.
 
 What SGLang does (mem_cache/memory_pool.py ``set_kv_buffer`` and layers/quantization/kv_cache.py):
-each attention layer has one per-tensor ``k_scale`` and ``v_scale``; they come from the checkpoint
-when it carries them and are 1.0 otherwise (the exported rollout checkpoints never carry them, so
-SGLang serving them uses 1.0). K and V are stored as ``(x / scale).to(float8_e4m3fn)`` and the
+each attention layer has one per-tensor ``k_scale`` and ``v_scale``; they come from the checkpoint or a
+weight update when it carries them and are 1.0 otherwise (precision/kv_scales.py: what the learner measures,
+which names load, when they take effect). K and V are stored as ``(x / scale).to(float8_e4m3fn)`` and the
 attention kernels read them back multiplied by the scale.
 
 The emulation applies exactly that to every K and V entering the cache, in prefill and decode, and
@@ -16,7 +16,7 @@ which is not SGLang's behaviour, hence this small layer class.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional, Sequence
 
 import torch
 
@@ -131,9 +131,11 @@ def _layer_classes():
     return PreallocatedLayer, Fp8KVCacheLayer
 
 
-def new_kv_cache(config, kv_cache_dtype: KvCacheDtype = "auto", capacity: int = 0):
+def new_kv_cache(config, kv_cache_dtype: KvCacheDtype = "auto", capacity: int = 0,
+                 scales: Optional[Sequence[tuple[float, float]]] = None):
     """An empty HF DynamicCache for `config` whose full-attention layers reserve `capacity` positions up front;
-    with fp8_e4m3 every such layer stores FP8 K/V (scales 1.0)."""
+    with fp8_e4m3 every such layer stores FP8 K/V with its (k_scale, v_scale) from `scales` (one pair per layer;
+    None: SGLang's default 1.0)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -144,10 +146,18 @@ def new_kv_cache(config, kv_cache_dtype: KvCacheDtype = "auto", capacity: int = 
     except TypeError:  # older transformers
         cache = DynamicCache()
     plain_cls, fp8_cls = _layer_classes()
-    layer_cls = plain_cls if kv_cache_dtype == "auto" else fp8_cls
+
+    def make(i: int):
+        if kv_cache_dtype == "auto":
+            return plain_cls(capacity=capacity)
+        k, v = scales[i] if scales is not None else (DEFAULT_KV_SCALE, DEFAULT_KV_SCALE)
+        return fp8_cls(k_scale=k, v_scale=v, capacity=capacity)
+
+    num = len(cache.layers) or int(getattr(config.get_text_config(decoder=True), "num_hidden_layers"))
+    if scales is not None and len(scales) != num:
+        raise ValueError(f"{len(scales)} K/V scale pairs for {num} attention layers")
     if not cache.layers:
-        num = int(getattr(config.get_text_config(decoder=True), "num_hidden_layers"))
-        cache.layers = [layer_cls(capacity=capacity) for _ in range(num)]
+        cache.layers = [make(i) for i in range(num)]
         cache.layer_class_to_replicate = None
         return cache
     for i, layer in enumerate(cache.layers):
@@ -156,5 +166,5 @@ def new_kv_cache(config, kv_cache_dtype: KvCacheDtype = "auto", capacity: int = 
                 return cache  # sliding-window layers keep transformers' own classes
             raise ValueError(f"kv_cache_dtype=fp8_e4m3 is emulated for full-attention layers only; layer {i} uses "
                              f"{type(layer).__name__}")
-    cache.layers = [layer_cls(capacity=capacity) for _ in cache.layers]
+    cache.layers = [make(i) for i in range(num)]
     return cache

@@ -126,6 +126,8 @@ class Learner:
         chunks = build_model_chunks(self.arch, self.config, precision_cfg, use_te=self.kernels.te_spec)
         self.model = wrap_ddp(chunks, self.config, parallel_cfg, self.kernels)
         self._params_pending = False  # the optimizer stepped and the parameter all-gather was left to a forward
+        self.kv_probe = None
+        """trainer/kv_scales.py KvAmaxProbe hooked into the core attention modules (None: no K/V amax is measured)."""
         bf16 = optim_cfg.params_dtype == "bf16"
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -213,6 +215,10 @@ class Learner:
             mb = mb.with_fields(**{k: v.to(device) for k, v in mb.tensors().items()})
             ids = to_cp_layout(mb.input_ids, cp, cp_rank)
             pos = to_cp_layout(torch.arange(seq, device=device).unsqueeze(0).expand(mb.batch_size, -1), cp, cp_rank)
+            if self.kv_probe is not None and self.kv_probe.active:  # the positions an engine's KV cache holds
+                from megatron_rl.trainer.kv_scales import cached_positions
+
+                self.kv_probe.set_positions(to_cp_layout(cached_positions(mb.loss_mask), cp, cp_rank))
             with fp8_forward_context(self.precision_cfg, self.config):
                 output = model(ids, pos, None)
             return output, lambda logits: loss_builder(logits, index, n_mb, mb)
