@@ -56,6 +56,12 @@ def test_layouts_that_cannot_work_are_errors():
         ("http://127.0.0.1:1", ("cpu:0",)), ("http://127.0.0.1:2", ("cpu:1",))]
 
 
+def test_sglang_engines_on_gpus_of_their_own_cannot_take_tensor_handles():
+    with pytest.raises(ValueError, match="transport=tensor with rollout.engine=sglang needs rollout.placement=colocated"):
+        RolloutConfig(engine="sglang", weight_sync={"transport": "tensor"})
+    assert RolloutConfig(engine="sglang", placement="colocated", mem_fraction_static=0.3).weight_sync.transport == "tensor"
+
+
 def test_embedded_colocated_engines_see_only_their_own_device():
     from megatron_rl.rollout.launcher import plan_from_config
 

@@ -212,6 +212,12 @@ class RolloutConfig(StrictConfig):
                 raise ValueError(f"rollout.weight_sync.master_address={ws.master_address} is a loopback address, which "
                                  f"engine {remote[0]} on another host cannot reach; set it to this host's address on the "
                                  "engines' network or leave it unset")
+        if self.weight_sync.transport == "tensor" and self.engine == "sglang" and self.placement != "colocated":
+            # each engine sees only its own GPUs (CUDA_VISIBLE_DEVICES), none of them the learner's, and SGLang exits on
+            # a CUDA-IPC handle of another GPU (srt/utils/patch_torch.py: Invalid device_uuid)
+            raise ValueError("rollout.weight_sync.transport=tensor with rollout.engine=sglang needs "
+                             f"rollout.placement=colocated (got {self.placement}): engines on GPUs of their own cannot "
+                             "open the learner's CUDA-IPC handles; use transport=distributed or disk")
         if self.weight_sync.transport == "tensor" and self.engine == "external":
             remote = [u for u in (self.weight_update_urls or self.urls) if (urlparse(u).hostname or "") not in LOOPBACK_HOSTS]
             if remote:
