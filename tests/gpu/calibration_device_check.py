@@ -132,7 +132,9 @@ def train_steps() -> None:
 
     base = ["precision.recipe=none", "precision.rollout_quantization=none", "train.micro_batch_size=8",
             "train.num_minibatches=2", "algo.calibration.enabled=true", "algo.calibration.calibrate_every=2",
-            "algo.calibration.relax_only=false", "algo.calibration.smoothing=0.0", "tracking.dump_ratios=true"]
+            "algo.calibration.relax_only=false", "algo.calibration.smoothing=0.0", "tracking.dump_ratios=true",
+            # the solve's mechanics: the solved bounds applied in full (strength=excess may keep the vanilla ones)
+            "algo.calibration.strength=full"]
     cfg0 = load_config(ROOT / "examples" / "configs" / "tiny_fp8_grpo.yaml", base)
     state.init_distributed(cfg0.parallel, cfg0.train.seed)
     g = torch.Generator().manual_seed(0)
@@ -152,7 +154,8 @@ def train_steps() -> None:
                                   total_steps=cfg.train.optimizer_steps)
                 on_device = next(learner.model[0].parameters()).device.type == DEVICE
                 with tempfile.TemporaryDirectory() as run_dir:
-                    session = SimpleNamespace(cfg=cfg, learner=learner, clipper=make_clipper(cfg), reference=None, run_dir=run_dir)
+                    session = SimpleNamespace(cfg=cfg, learner=learner, clipper=make_clipper(cfg), reference=None, kv_cache=None,
+                                              run_dir=run_dir)
                     rows_out = []
                     for step in range(3):  # event, ordinary, event
                         m = train_on_batch(session, batch, step, Timers())

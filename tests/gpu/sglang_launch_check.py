@@ -9,7 +9,7 @@ engine on GPU 0 from a random small Qwen3 checkpoint, greedy-generate with log-p
 CPU embedded engine serving the same checkpoint (same quantized bits, emulated), push new weights with
 /update_weights_from_disk and check the weight version it reports (GET /model_info in SGLang 0.5.23, the pinned
 version; /server_info in 0.5.8); then tear down and check no process is left.
-Prints one line per case and exits non-zero on any failure.
+Prints one [PASS] / [FAIL] line per case (tests/gpu/checks_lib.sh relays them) and exits non-zero on any failure.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def main() -> int:
                                             launch_dir=f"{work}/launch", learner_gpus=0,
                                             visible_gpus=1 if args.cpu else None)
         except Exception as exc:  # report and go on with the other cases
-            print(f"FAIL {name}: start: {exc}", flush=True)
+            print(f"[FAIL] {name} start: {exc}", flush=True)
             failures += 1
             continue
         try:
@@ -99,19 +99,19 @@ def main() -> int:
             sync.push(fmt.quantize_state_dict(new.state_dict()), 1, fmt.config_updates())
             version = served_weight_version(cluster.worker_urls[0])
             ok = gpu.output_ids[:1] == cpu.output_ids[:1] and version == "1"
-            print(f"{'OK  ' if ok else 'FAIL'} {name}: start {time.perf_counter() - t0:.0f}s, greedy tokens equal to the "
+            print(f"[{'PASS' if ok else 'FAIL'}] {name} start {time.perf_counter() - t0:.0f}s, greedy tokens equal to the "
                   f"CPU emulation {same}/{len(gpu.output_ids)}, max |logprob diff| on the first {n} {diff:.4f}, "
                   f"weight_version after sync {version!r}", flush=True)
             failures += not ok
         except Exception as exc:
-            print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
+            print(f"[FAIL] {name} {type(exc).__name__}: {exc}", flush=True)
             failures += 1
         finally:
             pids = [e.proc.pid for e in cluster.engines]
             cluster.stop()
             left = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
             if left:
-                print(f"FAIL {name}: processes left after stop: {left}", flush=True)
+                print(f"[FAIL] {name} processes left after stop: {left}", flush=True)
                 failures += 1
     print(f"{failures} failure(s)")
     return 1 if failures else 0

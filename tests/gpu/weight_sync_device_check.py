@@ -10,11 +10,11 @@
 4. A world-1 GPU Learner's streaming export equals its whole-model export (gather_full_state_dict + to_hf).
 
 5. With two or more GPUs: an NCCL weight-update group broadcasts fp32, bf16 and float8 tensors (one
-   device cannot host both ends of an NCCL group, so a one-GPU machine records this check as skipped).
+   device cannot host both ends of an NCCL group, so a one-GPU machine reports this check as [SKIP] with the reason).
 
 Run:  python tests/gpu/weight_sync_device_check.py   (one line per check, a JSON summary; exit 1 on failure)
       python tests/gpu/weight_sync_device_check.py --device cpu   (the same code paths with CPU tensors, in CI via
-      tests/gpu/run_all.sh --cpu; the CUDA-only checks 2b and 5 do not run there)
+      tests/gpu/run_all.sh --cpu; the CUDA-only check 2b does not run there, 5 is a SKIP)
 """
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ def check(name: str, ok: bool, **detail) -> None:
     """Record and print one check."""
     RESULTS.append({"check": name, "ok": bool(ok), **detail})
     print(f"[{'PASS' if ok else 'FAIL'}] {name} {json.dumps(detail, default=str)}", flush=True)
+
+
+def skip(name: str, reason: str) -> None:
+    """Record and print a check that cannot run here, with why (never a PASS)."""
+    RESULTS.append({"check": name, "ok": True, "skipped": reason})
+    print(f"[SKIP] {name} {reason}", flush=True)
 
 
 def guarded(fn):
@@ -143,8 +149,11 @@ def gpu_learner_streaming_export() -> None:
 
 
 def nccl_broadcast_two_gpus() -> None:
+    if DEVICE != "cuda":
+        skip("nccl_broadcast_two_gpus", "--device cpu: an NCCL group needs two CUDA devices")
+        return
     if torch.cuda.device_count() < 2:
-        check("nccl_broadcast_two_gpus", True, skipped="needs 2 GPUs")
+        skip("nccl_broadcast_two_gpus", f"an NCCL group needs two devices; {torch.cuda.device_count()} visible")
         return
     code = textwrap.dedent("""
         import sys, torch
@@ -177,10 +186,11 @@ def main(argv: list[str]) -> int:
         print("needs CUDA (or --device cpu)")
         return 1
     sections = [fp8_quantization_matches_cpu, cuda_ipc_payload_opens_in_another_process, cuda_tensors_into_cpu_engine,
-                gpu_learner_streaming_export] + ([nccl_broadcast_two_gpus] if DEVICE == "cuda" else [])
+                gpu_learner_streaming_export, nccl_broadcast_two_gpus]
     for fn in sections:
         guarded(fn)
-    print(json.dumps({"passed": sum(r["ok"] for r in RESULTS), "failed": sum(not r["ok"] for r in RESULTS)}))
+    print(json.dumps({"passed": sum(r["ok"] and "skipped" not in r for r in RESULTS),
+                      "failed": sum(not r["ok"] for r in RESULTS), "skipped": [r["check"] for r in RESULTS if "skipped" in r]}))
     return 0 if all(r["ok"] for r in RESULTS) else 1
 
 
