@@ -63,7 +63,8 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
                                                                         cfg.train.ppo_epochs, cfg.train.seed, step))
     probed = health.probe_rows(learner, mbs) if cfg.train.health.check_updated_policy else None
     with timers("logprobs"):
-        batch, metrics = logprobs.old_logprobs(learner, batch, mbs, plan=plan, reference=session.reference, probe_rows=probed)
+        batch, metrics = logprobs.old_logprobs(learner, batch, mbs, plan=plan, reference=session.reference, probe_rows=probed,
+                                               kv_cache=session.kv_cache)
         batch = with_sequence_rollout_weights(batch, cfg.algo)
         batch = error_scale.with_old_logprobs_hp(learner, batch, mbs, cfg.algo)  # experiment only; no-op unless on
     calib = StepCalibration(session.clipper, plan, cfg, session.run_dir)
@@ -102,7 +103,8 @@ def run(cfg: RunConfig) -> dict:
                                     learner=session.learner, offload=cfg.rollout.colocate_offload)
     try:
         memory.resume(timers)  # colocated: the learner frees what it can before the engines fill up
-        weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step)
+        weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=session.start_step,
+                             kv_scales=session.kv_scales())
         before = {k: v for k, v in session.rl_state.items() if k.startswith(("eval_before", "eval_malformed_before"))}
         if not (session.start_step and before):
             before = evaluate(session, "before")
@@ -121,7 +123,8 @@ def run(cfg: RunConfig) -> dict:
             memory.resume(timers)  # colocated: engines take their memory (last synced weights) back
             if verdict.ok:  # an unhealthy step's weights never reach the engines
                 with timers("weight_sync"):
-                    metrics.update(weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=step + 1))
+                    metrics.update(weights.sync_weights(session.learner, session.transport, cfg.precision, weight_version=step + 1,
+                                                        kv_scales=session.kv_scales()))
                 served = step + 1
             if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
                 ev = evaluate(session, "now")

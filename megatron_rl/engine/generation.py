@@ -213,17 +213,33 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, strict: bool = 
 
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model_path {path!r} is not a directory with a config.json")
+    from megatron_rl.precision import kv_scales
     from megatron_rl.precision.rollout_formats import checkpoint_format, load_quantized_model, read_config
 
+    raw_config = read_config(path)
     with _LOAD_LOCK:
-        if checkpoint_format(read_config(path)) is not None:  # FP8 rollout weights, in any registered format
+        if checkpoint_format(raw_config) is not None:  # FP8 rollout weights, in any registered format
             return load_quantized_model(path, dtype)
+        kwargs = {}
+        if kv_scales.creates_kv_scales(raw_config):  # unquantized weights carrying K/V cache scales
+            from transformers import AutoConfig
+
+            kwargs["config"] = AutoConfig.from_pretrained(path, local_files_only=True)
+            # the K/V scales are ours to serve; transformers' own FP8 integration needs a GPU
+            delattr(kwargs["config"], "quantization_config")
         # ignore_mismatched_sizes: transformers then lists mis-shaped tensors in `info` (raised below, in strict mode,
         # with their shapes) instead of raising a message that points at a report it only logged
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                           output_loading_info=True, ignore_mismatched_sizes=strict)
+                                                           output_loading_info=True, ignore_mismatched_sizes=strict,
+                                                           **kwargs)
+    unknown_scales: list[str] = []
+    if kv_scales.creates_kv_scales(raw_config):
+        kv_scales.attach_kv_scales(model)
+        unknown_scales = kv_scales.load_kv_scales(model, kv_scales.read_kv_scale_tensors(path))
     if strict:
         unexpected = set(info.get("unexpected_keys") or ())
+        if kv_scales.creates_kv_scales(raw_config):  # the scales loaded above, except those no layer has
+            unexpected = {k for k in unexpected if not kv_scales.is_kv_scale_name(k)} | set(unknown_scales)
         if getattr(model.config, "tie_word_embeddings", False):
             unexpected.discard("lm_head.weight")
         problems = {"missing": sorted(info.get("missing_keys") or ()), "unexpected": sorted(unexpected),
@@ -284,8 +300,9 @@ class Engine:
                  max_context_len: Optional[int] = None, kv_cache_dtype: str = "auto"):
         """Load the model (and tokenizer if given); `model_loader(path)` replaces the default HF loader.
 
-        kv_cache_dtype: "fp8_e4m3" stores K/V in an emulated E4M3 cache with SGLang's default
-        per-tensor scales (precision/kv_cache.py), as `--kv-cache-dtype fp8_e4m3` does on GPU.
+        kv_cache_dtype: "fp8_e4m3" stores K/V in an emulated E4M3 cache with each layer's served per-tensor
+        scales (1.0 unless the checkpoint or an update carried them; precision/kv_cache.py, kv_scales.py), as
+        `--kv-cache-dtype fp8_e4m3` does on GPU.
         """
         from megatron_rl.precision.kv_cache import KV_CACHE_DTYPES
 
@@ -355,8 +372,11 @@ class Engine:
     def _new_cache(self, capacity: int = 0) -> Any:
         """An empty KV cache reserving `capacity` positions (FP8-emulated under kv_cache_dtype=fp8_e4m3)."""
         from megatron_rl.precision.kv_cache import new_kv_cache
+        from megatron_rl.precision.kv_scales import served_kv_scales
 
-        return new_kv_cache(self.model.config, self.kv_cache_dtype, capacity=capacity)
+        # read per batch: every weight update (disk, tensor, distributed) lands between batches
+        return new_kv_cache(self.model.config, self.kv_cache_dtype, capacity=capacity,
+                            scales=served_kv_scales(self.model) if self.kv_cache_dtype != "auto" else None)
 
     # ------------------------------------------------------------------------------- generate
     def check_request(self, req: GenerationRequest) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from megatron_rl.precision.kv_scales import kv_scale_buffers, normalize_kv_scales
 from megatron_rl.precision.w8a8 import W8A8Linear
 
 HIGH_PRECISION = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -93,6 +94,7 @@ def served_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             continue  # tied weights appear once, under their first name (embed_tokens)
         seen.add(id(tensor))
         out[name] = tensor
+    out.update(kv_scale_buffers(model))  # per-layer K/V cache scales, when the checkpoint's quant method creates them
     return out
 
 
@@ -149,17 +151,29 @@ class ServedWeights:
                 written += 1
                 if key.endswith((".weight", ".weight_scale_inv", ".weight_scale")):
                     touched.add(key.rsplit(".", 1)[0])
+                elif key.endswith(("k_scale", "v_scale")):
+                    touched.add("kv_scales")
             for mod in touched & self._w8a8.keys():
                 m = self._w8a8[mod]
                 m.weight_dq.copy_(m._dequant())
+            if "kv_scales" in touched:  # as SGLang's process_weights_after_loading at end_weight_update
+                normalize_kv_scales(self.model)
         return written
 
-    def read(self, name: str, truncate_size: int) -> list:
-        """The first `truncate_size` rows of tensor `name` as (nested) float lists, like SGLang."""
+    def read(self, name: str, truncate_size: int) -> list | float:
+        """The first `truncate_size` rows of tensor `name` as (nested) float lists, like SGLang; a 0-d tensor (a K/V
+        cache scale) as its number. A scale also answers under SGLang's parameter name (`...self_attn.attn.k_scale`),
+        for reading only: loading under it is what SGLang drops for Qwen3/Llama (precision/kv_scales.py). SGLang
+        0.5.23 itself answers None for scales (its Llama reader slices the 0-d list; Qwen models have no reader)."""
         key = self.canonical(name)
+        if key is None and name.endswith((".self_attn.attn.k_scale", ".self_attn.attn.v_scale")):
+            key = self.canonical(name.replace(".self_attn.attn.", ".self_attn.", 1))
         if key is None:
             raise WeightUpdateError(f"get_weights_by_name: the served model has no tensor {name!r}")
-        return self.tensors[key].detach()[:truncate_size].to(torch.float32).tolist()
+        t = self.tensors[key].detach()
+        if t.dim() == 0:
+            return float(t)
+        return t[:truncate_size].to(torch.float32).tolist()
 
     def signature(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """{name: (shape, dtype)} of every served tensor."""

@@ -65,7 +65,7 @@ def stream_colocated(learner, transport, fmt, weight_version: Any, bucket_bytes:
     feeding = transport is not None and getattr(transport, "feed", None) is not None and transport.feeding()
     feed = transport.feed if feeding else None
     sent, count = 0, 0
-    for bucket, last in with_last(exporter.buckets(bucket_bytes, fmt.convert)):
+    for bucket, last in with_last(exporter.buckets(bucket_bytes, fmt.convert, fmt.extra)):
         payload, error = None, None
         if feed is not None:
             try:

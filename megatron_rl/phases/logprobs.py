@@ -7,6 +7,7 @@ so their cost falls with the fraction; rows outside it hold 0 and are never read
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -76,16 +77,20 @@ def _shadow_old_logprobs(learner, batch: TrainBatch, rows: list[int], micro_batc
 
 def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, plan: Optional[CalibrationPlan] = None,
                  reference: Optional[ReferencePolicy] = None,
-                 probe_rows: Optional[int] = None) -> tuple[TrainBatch, dict[str, float]]:
+                 probe_rows: Optional[int] = None, kv_cache=None) -> tuple[TrainBatch, dict[str, float]]:
     """Attach pi_old (learner precision), the high-precision shadow pi_old on the plan's shadow rows, and reference log-probs.
 
     With `probe_rows`, also the mean entropy of pi_old on the first `probe_rows` rows (health/probe_entropy_before):
-    the health probe's tokens before the step's updates.
+    the health probe's tokens before the step's updates. With `kv_cache` (phases/kv_cache.py KvCacheScales) the pi_old
+    forward also measures the FP8 KV cache's per-layer K/V amax over the rollout batch (kv_cache/* metrics).
     """
-    lp, ent = _global_forward(learner, batch, micro_batch_size)
+    with kv_cache.measuring() if kv_cache is not None else nullcontext():
+        lp, ent = _global_forward(learner, batch, micro_batch_size)
     changes = {"old_logprobs": lp}
     mask = batch.loss_mask > 0
     metrics = {"entropy_old": float(ent[mask].mean()) if mask.any() else float("nan")}
+    if kv_cache is not None:
+        metrics.update(kv_cache.observe())
     if probe_rows is not None:
         probed = mask[:probe_rows]
         metrics["health/probe_entropy_before"] = float(ent[:probe_rows][probed].mean()) if probed.any() else float("nan")

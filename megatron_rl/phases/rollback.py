@@ -47,7 +47,8 @@ def after_stop(session, verdict, served_version: int) -> str:
             version = restore_newest_healthy(session, newest)
             from megatron_rl.phases.weights import sync_weights
 
-            sync_weights(session.learner, session.transport, session.cfg.precision, weight_version=version)
+            sync_weights(session.learner, session.transport, session.cfg.precision, weight_version=version,
+                         kv_scales=session.kv_scales())
             parts.append(f"the engines serve version {version} again")
         else:
             parts.append(f"the engines that served version {served_version} stop with the run")
@@ -60,8 +61,16 @@ def restore_newest_healthy(session, newest: Optional[str]) -> int:
         from megatron_rl.trainer.checkpoint import load_checkpoint
 
         rl_state = load_checkpoint(session.learner, newest, load_optimizer=False, load_rng=False)
+        if session.kv_cache is not None and rl_state.get("kv_cache_scales") is not None:
+            session.kv_cache.load_state_dict(rl_state["kv_cache_scales"])  # the scales those weights were served with
         return int(rl_state["step"]) + 1
     from megatron_rl.warm_start import load_initial_weights
 
     load_initial_weights(session.learner, session.hf_dir)
+    if session.kv_cache is not None:  # measured again on the initial weights, as at the run's start
+        from megatron_rl.phases.kv_cache import start
+
+        session.rl_state.pop("kv_cache_scales", None)
+        session.kv_cache.probe.close()
+        session.kv_cache = start(session)
     return 0

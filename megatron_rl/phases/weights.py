@@ -32,10 +32,26 @@ class ExportFormat:
     """Per HF tensor: [(name, tensor)] to send (the tensor in the learner's dtype, or FP8 weight + its scale)."""
     config_updates: dict = field(default_factory=dict)
     """config.json entries of a checkpoint in this format (quantization_config)."""
+    kv_scales: Optional[torch.Tensor] = None
+    """[L, 2] per-layer (k_scale, v_scale) of the FP8 KV cache sent with the weights (None: none are sent)."""
+    family: str = ""
+    """HF model_type naming the scales (precision/kv_scales.py kv_scale_names)."""
+
+    def extra_tensors(self, layers: list[int]) -> list[tuple[str, torch.Tensor]]:
+        """The K/V cache scale tensors of decoder layers `layers` (empty without scales)."""
+        from megatron_rl.precision.kv_scales import scale_tensors
+
+        return [] if self.kv_scales is None else scale_tensors(self.kv_scales, self.family, layers)
+
+    @property
+    def extra(self) -> Optional[Callable[[list[int]], list]]:
+        """What the exporters add to the weights' last bucket (None: nothing)."""
+        return self.extra_tensors if self.kv_scales is not None else None
 
 
-def export_format(precision: PrecisionConfig) -> ExportFormat:
-    """The rollout format of `precision.rollout_quantization`, applied one tensor at a time.
+def export_format(precision: PrecisionConfig, kv_scales: Optional[torch.Tensor] = None, family: str = "") -> ExportFormat:
+    """The rollout format of `precision.rollout_quantization`, applied one tensor at a time, with the FP8 KV cache's
+    per-layer scales `kv_scales` ([L, 2], named for HF model_type `family`) when precision recalibrates them.
 
     Tensors that stay high precision travel in the learner's parameter dtype (bf16 on GPU: half the
     bytes of float32, the exact values); quantized weights are quantized from them (rollout_formats.py).
@@ -43,13 +59,19 @@ def export_format(precision: PrecisionConfig) -> ExportFormat:
     from megatron_rl.precision.rollout_formats import rollout_format
 
     fmt = rollout_format(precision)
-    return ExportFormat(lambda name, t: list(fmt.quantize(name, t).items()), fmt.config_updates())
+    scales = kv_scales if precision.recalibrates_kv_scales else None
+    return ExportFormat(lambda name, t: list(fmt.quantize(name, t).items()), fmt.config_updates(), scales, family)
 
 
-def rollout_payload(hf_sd: dict[str, torch.Tensor], precision: PrecisionConfig) -> tuple[dict[str, torch.Tensor], dict]:
-    """A whole HF state dict in the rollout format, plus its config.json updates (small models, tests, tools)."""
-    fmt = export_format(precision)
-    return {n: t for name, tensor in hf_sd.items() for n, t in fmt.convert(name, tensor)}, dict(fmt.config_updates)
+def rollout_payload(hf_sd: dict[str, torch.Tensor], precision: PrecisionConfig, kv_scales: Optional[torch.Tensor] = None,
+                    family: str = "") -> tuple[dict[str, torch.Tensor], dict]:
+    """A whole HF state dict in the rollout format (with `kv_scales` of every layer, as `export_format`), plus its
+    config.json updates (small models, tests, tools)."""
+    fmt = export_format(precision, kv_scales, family)
+    out = {n: t for name, tensor in hf_sd.items() for n, t in fmt.convert(name, tensor)}
+    if fmt.kv_scales is not None:
+        out.update(fmt.extra_tensors(list(range(fmt.kv_scales.shape[0]))))
+    return out, dict(fmt.config_updates)
 
 
 def export_hf_state_dict(learner) -> Optional[dict[str, torch.Tensor]]:
@@ -92,7 +114,7 @@ def stream_to_transport(learner, transport, fmt: ExportFormat, weight_version: A
                     transport.begin_stage(stage, pp, weight_version)
             except Exception as exc:  # noqa: BLE001 - shared with every rank below
                 error = f"{type(exc).__name__}: {exc}"
-            for bucket, last in with_last(exporter.buckets(size, fmt.convert)):
+            for bucket, last in with_last(exporter.buckets(size, fmt.convert, fmt.extra)):
                 if error is None:
                     try:
                         transport.send_bucket(bucket, final=last and stage == pp - 1)
@@ -117,15 +139,17 @@ def _share_targets(transport) -> None:
         transport.refresh_targets(*targets)
 
 
-def sync_weights(learner, transport, precision: PrecisionConfig, weight_version: int) -> dict[str, float]:
-    """Push the learner's current weights to every engine as `weight_version`; metrics on the controller.
+def sync_weights(learner, transport, precision: PrecisionConfig, weight_version: int,
+                 kv_scales: Optional[torch.Tensor] = None) -> dict[str, float]:
+    """Push the learner's current weights (and the FP8 KV cache's per-layer scales `kv_scales` [L, 2], identical on
+    every rank, when precision recalibrates them) to every engine as `weight_version`; metrics on the controller.
 
     Collective: every learner rank calls it; `transport` is the rank's transport (stage senders and
     the controller) or None. Non-finite weights raise NonFiniteWeightsError before anything is sent.
     """
     start = time.perf_counter()
     check_finite(learner)
-    fmt = export_format(precision)
+    fmt = export_format(precision, kv_scales, learner.arch.family)
     controller = state.is_controller()
     error: Optional[str] = None
     if controller:
@@ -165,8 +189,10 @@ def sync_weights(learner, transport, precision: PrecisionConfig, weight_version:
 
 
 def export_rollout_checkpoint(learner, precision: PrecisionConfig, out_dir: str, hf_config_dir: Optional[str] = None,
-                              bucket_mb: float = 512.0, prepare: Optional[Callable[[str], None]] = None) -> Optional[str]:
-    """Write the learner's weights as an HF checkpoint in the rollout format at `out_dir` (streamed; collective).
+                              bucket_mb: float = 512.0, prepare: Optional[Callable[[str], None]] = None,
+                              kv_scales: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Write the learner's weights (with `kv_scales` as `sync_weights`) as an HF checkpoint in the rollout format at
+    `out_dir` (streamed; collective).
 
     Every stage sender writes its own shards into a staging directory (on a filesystem all learner
     nodes share); global rank 0 first runs `prepare(staging)` (e.g. writes config and tokenizer),
@@ -178,7 +204,7 @@ def export_rollout_checkpoint(learner, precision: PrecisionConfig, out_dir: str,
 
     from megatron_rl.rollout.sync.disk import finalize_checkpoint, write_shard
 
-    fmt = export_format(precision)
+    fmt = export_format(precision, kv_scales, learner.arch.family)
     staging = str(out_dir).rstrip("/") + ".tmp"
     error = None
     if state.is_controller():

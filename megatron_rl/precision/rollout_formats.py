@@ -70,9 +70,23 @@ class RolloutFormat:
         """config.json keys to set on checkpoints in this format."""
         return {"quantization_config": dict(self.quantization_config)} if self.quantization_config else {}
 
+    @property
+    def quantizes_weights(self) -> bool:
+        """Whether the format stores FP8 weights (none does not, even when it declares K/V cache scales)."""
+        return self._quantize_weight is not None
+
+    def matches(self, config: Mapping) -> bool:
+        """Whether an HF config.json already declares this format (its checkpoint serves as it is)."""
+        current = checkpoint_format(config)
+        return current == (self.name if self.quantizes_weights else None) and (
+            config.get("quantization_config") or None) == self.quantization_config
+
 
 def _none(precision) -> RolloutFormat:
-    return RolloutFormat("none")
+    from megatron_rl.precision.kv_scales import KV_SCALES_ONLY_CONFIG
+
+    # recalibrated K/V cache scales need a quant method that creates them: an Fp8Config that quantizes no linear
+    return RolloutFormat("none", dict(KV_SCALES_ONLY_CONFIG) if precision.recalibrates_kv_scales else None)
 
 
 def scale_fmt(precision) -> ScaleFmt:
@@ -121,8 +135,10 @@ def checkpoint_format(config: Mapping) -> Optional[str]:
     Raises ValueError for a quantization_config this code cannot serve (so an engine never
     silently runs a checkpoint's FP8 bits as if they were plain weights).
     """
+    from megatron_rl.precision.kv_scales import is_kv_scales_only
+
     qc = config.get("quantization_config") or {}
-    if not qc:
+    if not qc or is_kv_scales_only(config):  # unquantized weights (perhaps carrying K/V cache scales)
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method == "fp8" and qc.get("weight_block_size"):
@@ -143,6 +159,7 @@ def load_quantized_model(path: str, dtype: torch.dtype = torch.float32) -> torch
     """Build the architecture from config.json and load a quantized rollout checkpoint with W8A8 emulation (strict)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from megatron_rl.precision import kv_scales
     from megatron_rl.precision.hf_fp8 import load_fp8_checkpoint, weight_block_size
     from megatron_rl.precision.w8a8 import apply_fp8_state_dict
 
@@ -153,12 +170,19 @@ def load_quantized_model(path: str, dtype: torch.dtype = torch.float32) -> torch
         delattr(config, "quantization_config")
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tensors, raw_config = load_fp8_checkpoint(path)
+    scales = {n: tensors.pop(n) for n in list(tensors) if kv_scales.is_kv_scale_name(n)}
     if fmt == "fp8-blockwise":
         apply_fp8_state_dict(model, tensors, weight_block_size(raw_config))
     elif fmt == "fp8-channel":
         apply_fp8_state_dict(model, tensors, block=None, scale_suffix=CHANNEL_SCALE_SUFFIX)
     else:
         raise ValueError(f"{path} is not a quantized rollout checkpoint")
+    if kv_scales.creates_kv_scales(raw_config):  # SGLang's Fp8Config gives every attention layer k/v scales
+        kv_scales.attach_kv_scales(model)
+    unknown = kv_scales.load_kv_scales(model, scales)
+    if unknown:
+        raise KeyError(f"FP8 checkpoint does not match the model: unexpected={unknown[:8]} (its quant method "
+                       "creates no K/V cache scales under these names)")
     return model.eval()
 
 
@@ -191,20 +215,29 @@ def write_launch_checkpoint(hf_dir: str, precision, out_root: str, **publish_kwa
     fmt = rollout_format(precision)
     config = read_config(hf_dir)
     current = checkpoint_format(config)
-    if fmt.quantization_config is None:
-        if current is not None:
-            raise ValueError(f"{hf_dir} holds a {current} checkpoint but precision.rollout_quantization=none")
-        return hf_dir
-    if current == fmt.name and config.get("quantization_config") == fmt.quantization_config:
+    if fmt.matches(config):
         return hf_dir
     if current is not None:
+        if not fmt.quantizes_weights:
+            raise ValueError(f"{hf_dir} holds a {current} checkpoint but precision.rollout_quantization=none")
         raise ValueError(f"{hf_dir} holds a {current} checkpoint; precision.rollout_quantization={fmt.name} "
                          "needs a high-precision source to quantize from")
+    if fmt.quantization_config is None:  # the source declares K/V scales the run does not recalibrate: serve it plain
+        return hf_dir
     from megatron_rl.rollout.sync.disk import write_hf_checkpoint
 
     def build(tmp: str) -> None:
-        tensors, _ = load_fp8_checkpoint(hf_dir)
-        write_hf_checkpoint(fmt.quantize_state_dict(tensors), hf_dir, tmp, fmt.config_updates())
+        if fmt.quantizes_weights:
+            tensors, _ = load_fp8_checkpoint(hf_dir)
+            write_hf_checkpoint(fmt.quantize_state_dict(tensors), hf_dir, tmp, fmt.config_updates())
+        else:  # the same weights under a config whose quant method creates K/V cache scales: link, do not copy
+            for p in launch_source_files(hf_dir):
+                if p.name.endswith(".safetensors") or p.name == "model.safetensors.index.json":
+                    os.symlink(os.path.abspath(p), os.path.join(tmp, p.name))
+                elif p.name.endswith(".json") and p.name != "config.json":
+                    shutil.copyfile(p, os.path.join(tmp, p.name))
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump({**config, **fmt.config_updates()}, f, indent=2)
         for name in os.listdir(hf_dir):
             if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
                 shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, name))

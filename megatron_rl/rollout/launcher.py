@@ -160,16 +160,14 @@ def _precision(precision):
 def planned_launch_path(model_path: str, precision, launch_dir: str) -> str:
     """The directory engines will start from (as `write_launch_checkpoint` returns it), writing nothing; a model
     directory that is not readable here is taken to be a high-precision source."""
-    from megatron_rl.precision.rollout_formats import checkpoint_format, read_config, rollout_format
+    from megatron_rl.precision.rollout_formats import read_config, rollout_format
 
     fmt = rollout_format(precision)
-    if fmt.quantization_config is None:
-        return model_path
     try:
         config = read_config(model_path)
     except (OSError, ValueError):
         config = {}
-    if checkpoint_format(config) == fmt.name and config.get("quantization_config") == fmt.quantization_config:
+    if fmt.quantization_config is None or fmt.matches(config):
         return model_path
     return os.path.join(launch_dir, f"launch_{fmt.name}")
 

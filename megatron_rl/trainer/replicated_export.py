@@ -40,6 +40,10 @@ class ReplicatedExporter(StreamingExporter):
                         for stage in range(state.pp_size())]
         """Global rank of each stage's sender."""
 
+    def exported_layers(self) -> list[int]:
+        """Every decoder layer: each rank's buckets carry the whole model."""
+        return list(range(self.learner.config.num_layers))
+
     def full_params(self) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
         """(global megatron name, full tensor on this rank's device) of every parameter of every stage, in stage
         order; every rank iterates it to the end."""

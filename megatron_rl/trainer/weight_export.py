@@ -131,8 +131,21 @@ class StreamingExporter:
                 out.extend((n, t.contiguous()) for n, t in convert(hf_name, tensor))
             yield name, out
 
-    def buckets(self, bucket_bytes: int, convert: Converter = _as_learned) -> Iterator[Bucket]:
-        """Buckets of at most `bucket_bytes` (one parameter's tensors are never split) on the sender."""
+    def exported_layers(self) -> list[int]:
+        """Global indices of the decoder layers whose weights this exporter's buckets carry (this stage's)."""
+        from megatron_rl.trainer.spec import layer_offset
+
+        chunks = len(self.learner.model)
+        out: list[int] = []
+        for vp in range(chunks):
+            offset, count = layer_offset(self.learner.config, vp if chunks > 1 else None)
+            out += range(offset, offset + count)
+        return out
+
+    def buckets(self, bucket_bytes: int, convert: Converter = _as_learned,
+                extra: Optional[Callable[[list[int]], Bucket]] = None) -> Iterator[Bucket]:
+        """Buckets of at most `bucket_bytes` (one parameter's tensors are never split) on the sender; `extra(layers)`
+        (per-layer tensors that are no parameter: K/V cache scales) joins the last bucket, on its device."""
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         bucket: Bucket = []
@@ -144,6 +157,9 @@ class StreamingExporter:
                 bucket, size = [], 0
             bucket.extend(tensors)
             size += n
+        if bucket and extra is not None:
+            device = bucket[-1][1].device
+            bucket.extend((n, t.to(device)) for n, t in extra(self.exported_layers()))
         if bucket:
             yield bucket
 
