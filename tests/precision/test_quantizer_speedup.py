@@ -334,6 +334,19 @@ def test_round_e2m1(stochastic):
         assert_same_bits(fp4.round_e2m1(v, u), ref.round_e2m1(v, u))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
+                          st.floats(min_value=0.0, max_value=1.0, exclude_max=True, width=32)), min_size=1, max_size=64))
+def test_round_e2m1_on_arbitrary_floats(pairs):
+    """hypothesis' floats and uniforms (boundaries favoured) through both E2M1 rounding modes."""
+    from megatron_rl.precision import fp4
+
+    v = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
+    u = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
+    assert_same_bits(fp4.round_e2m1(v), ref.round_e2m1(v))
+    assert_same_bits(fp4.round_e2m1(v, u), ref.round_e2m1(v, u))
+
+
 def nvfp4_inputs(shape, seed):
     """Random-with-specials inputs, one with blocks that the encode scale flushes to s_b = 0 (tiny values, signed zeros, NaN)."""
     yield from _inputs(shape, seed)
