@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples" / "studies" / "deep_addtrace_grpo.yaml"
 EVAL_PROMPTS = 200
-"""Held-out prompts of each of a run's two greedy evaluations (the old code sends one request per prompt)."""
+"""Default held-out prompts of each of a run's two greedy evaluations (--eval-prompts; the old code sends one request per prompt)."""
 
 
 def worktree(ref: str, where: Path) -> Path:
@@ -43,14 +43,15 @@ def worktree(ref: str, where: Path) -> Path:
     return where
 
 
-def run_once(tree: Path, study, arm: str, seed: int, warm: list[str], steps: int, run_dir: Path) -> dict:
+def run_once(tree: Path, study, arm: str, seed: int, warm: list[str], steps: int, run_dir: Path,
+             eval_prompts: int = EVAL_PROMPTS) -> dict:
     """One short training run of `arm` with the code in `tree`; its step times and wall time."""
     from megatron_rl.study.runner import child_env
 
     env = child_env(study, arm)
     env["PYTHONPATH"] = str(tree)
     overrides = [*study.run_overrides(arm, seed, warm), f"train.steps={steps}", "checkpoint.save_every=0",
-                 f"train.eval_max_prompts={EVAL_PROMPTS}",
+                 f"train.eval_max_prompts={eval_prompts}",
                  "checkpoint.resume=false", f"run_dir={json.dumps(str(run_dir))}"]
     base = tree / "examples" / "configs" / study.base.name
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(base), *overrides]
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="RL steps per run (the first two are not counted)")
     ap.add_argument("--rounds", type=int, default=1, help="repeats of the whole comparison")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS, help="prompts of each greedy evaluation")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_miniature_step"))
     args = ap.parse_args()
 
@@ -102,7 +104,8 @@ def main() -> None:
     for rnd in range(args.rounds):
         for arm in args.arms:
             for label in (("old", "new") if rnd % 2 == 0 else ("new", "old")):
-                out = run_once(trees[label], study, arm, args.seed, warm, args.steps, work / f"{label}_{arm}_r{rnd}")
+                out = run_once(trees[label], study, arm, args.seed, warm, args.steps, work / f"{label}_{arm}_r{rnd}",
+                               args.eval_prompts)
                 results.setdefault((arm, label), []).append(out)
                 counted = out["step_times"][2:] or out["step_times"]
                 print(f"round {rnd} {arm:16s} {label}: step {statistics.median(counted):.3f} s, "
@@ -122,7 +125,7 @@ def main() -> None:
         for label in ("old", "new"):
             print(f"fp8_tensorwise / hp step ({label}): {step_median('fp8_tensorwise', label) / step_median('hp', label):.2f}")
     print(f"(rest = run wall time outside the RL steps: start-up, engine launch, two greedy evaluations of "
-          f"{EVAL_PROMPTS} prompts)")
+          f"{args.eval_prompts} prompts)")
     print("load average:", " ".join(Path("/proc/loadavg").read_text().split()[:3]))
 
 
