@@ -71,7 +71,10 @@ def round_to_fp8(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     the even code, and (|x| + C) - C is exact; the sign is copied back. Same values as the cast, NaN
     included (tests/precision/test_quantizer_speedup.py).
     """
-    return _round_to_fp8_(x if x.numel() >= _NATIVE_CAST_BELOW else x.clone(), fmt)
+    xf = _f32(x)
+    if xf is x and xf.numel() < _NATIVE_CAST_BELOW:  # the cast path clamps in place
+        xf = xf.clone()
+    return _round_to_fp8_(xf, fmt)
 
 
 def _round_to_fp8_(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -81,7 +84,7 @@ def _round_to_fp8_(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
         return y.clamp_(-m, m).to(_DTYPES[fmt]).float()
     mbits, emin = _GRIDS[fmt]
     a = y.abs().clamp_(max=m)
-    # the binade's exponent field, kept in [smallest normal, max's] so a NaN's cannot overflow
+    # the binade's exponent field, kept in [smallest normal, the max's]: also keeps a NaN's all-ones field from overflowing the add
     lo, hi = (emin + 127) << 23, (math.frexp(m)[1] - 1 + 127) << 23
     c = (a.view(torch.int32) & 0x7F800000).clamp_(lo, hi).add_((23 - mbits) << 23).view(torch.float32)
     return a.add_(c).sub_(c).copysign_(y)

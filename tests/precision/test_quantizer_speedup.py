@@ -90,6 +90,7 @@ def test_round_to_fp8_is_the_cast(fmt, arithmetic, monkeypatch):
     for x in (ties_and_neighbours(fmt), random_bits(200_000, 1),
               special_tensor(64, 300, 4), torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, m, -m, 2.0 ** -149])):
         assert_same_bits(nx.round_to_fp8(x, fmt), ref.cast_to_fp8(x, fmt).float())
+        assert_same_bits(nx.round_to_fp8(x.to(torch.bfloat16), fmt), ref.cast_to_fp8(x.to(torch.bfloat16), fmt).float())
         for scale in (2.0 ** -20, 1 / 3, 7.0, 2.0 ** 40):  # the rescaled values cover other binades and subnormals
             y = x * scale
             assert_same_bits(nx.round_to_fp8(y, fmt), ref.cast_to_fp8(y, fmt).float())
