@@ -125,6 +125,8 @@ def test_names_sglang_loads_per_family_and_its_scale_rules():
     assert kv_scales.effective_kv_scales(0.5, 0.25) == (0.5, 0.25)
     assert kv_scales.effective_kv_scales(-1.0, -1.0) == (1.0, 1.0)
     assert kv_scales.effective_kv_scales(0.5, -1.0) == (0.5, 0.5)
+    with pytest.raises(ValueError, match="k_scale > 0"):
+        kv_scales.effective_kv_scales(0.0, 0.5)
 
 
 def test_config_resolves_and_refuses_what_cannot_work():

@@ -132,8 +132,11 @@ class ServedWeights:
         return out
 
     def check(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """WeightUpdateError listing every tensor that does not fit."""
+        """WeightUpdateError listing every tensor that does not fit (a K/V cache scale must also be a positive number:
+        SGLang's process_weights_after_loading would otherwise serve 1.0 or fail its assertion)."""
         bad = self.problems((n, t.dtype, tuple(t.shape)) for n, t in named)
+        bad += [f"{n}: a K/V cache scale must be a finite number > 0, got {float(t.reshape(-1)[0])}" for n, t in named
+                if n.endswith(("k_scale", "v_scale")) and t.numel() == 1 and not float(t.reshape(-1)[0]) > 0]
         if bad:
             raise WeightUpdateError(f"{len(bad)} of {len(named)} tensors do not match the served model: "
                                     + "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else "") + " (weights unchanged)")

@@ -35,6 +35,16 @@ What SGLang 0.5.23 does with them (read from the pinned source):
   updated inside a weight-update session take effect when it closes.
 - model_loader/weight_utils.py `default_weight_loader` fills a one-element parameter from any one-element
   tensor: a 0-d float32 tensor per scale is what travels.
+- Qwen3 is the exception: models/qwen3.py `Qwen3Attention` builds its `RadixAttention` without `quant_config`, so
+  no quant method creates scale parameters and `maybe_remap_kv_scale_name` drops the scales ("not loaded"): SGLang
+  0.5.23 serves Qwen3 at 1.0 whatever the checkpoint says (`SGLANG_KV_SCALE_FAMILIES`). A run that launches SGLang
+  engines for a Qwen3 model therefore resolves `kv_cache_scales: auto` to unit and refuses `recalibrate`
+  (config/run.py). The embedded engine serves the scales for every family named here, so the CPU suite runs the
+  whole path on its Qwen3 presets.
+- Kernels: the Hopper default backend (layers/attention/flashattention_backend.py) reads the `k_scale` tensor, and
+  `set_kv_buffer` divides by the tensors `RadixAttention` passes, so the in-place update `process_weights_after_loading`
+  makes holds under CUDA graphs; the flashinfer backend passes `k_scale_float` (a Python float) to its decode
+  wrapper, which a captured graph keeps (a GPU check, not verified here).
 """
 from __future__ import annotations
 
@@ -52,6 +62,8 @@ UNIT_SCALE = 1.0
 """SGLang's k_scale / v_scale when a checkpoint provides none."""
 _ATTN_PATH = {"qwen3": "self_attn", "llama": "self_attn", "qwen2": "self_attn.attn"}
 """HF model_type -> module path (under model.layers.N) of the k_scale / v_scale names SGLang 0.5.23 loads."""
+SGLANG_KV_SCALE_FAMILIES = ("qwen2", "llama")
+"""HF model types whose attention layers SGLang 0.5.23 gives K/V scale parameters (Qwen3's get no quant_config)."""
 KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
 """Checkpoint names of per-layer K/V cache scales (either family's form)."""
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -92,13 +104,16 @@ def is_kv_scales_only(config: Mapping[str, Any]) -> bool:
 
 
 def effective_kv_scales(k: float, v: float) -> tuple[float, float]:
-    """The (k, v) SGLang's process_weights_after_loading serves for loaded values (k, v) (module docstring)."""
+    """The (k, v) SGLang's process_weights_after_loading serves for loaded values (k, v) (module docstring); a positive
+    v with a non-positive k is its assertion failure, a ValueError here."""
     if k > 0 and v > 0:
         return float(k), float(v)
     if k <= 0 and v <= 0:
         return UNIT_SCALE, UNIT_SCALE
-    m = max(k, v)
-    return float(m), float(m)
+    if k <= 0:
+        raise ValueError(f"v_scale {v} without a positive k_scale ({k}): SGLang's process_weights_after_loading "
+                         "asserts k_scale > 0")
+    return float(k), float(k)
 
 
 def scale_tensors(scales: torch.Tensor, family: str, layers: Sequence[int]) -> list[tuple[str, torch.Tensor]]:

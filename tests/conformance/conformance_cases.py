@@ -192,11 +192,32 @@ def scenario_tensor(rec: Recorder) -> None:
     transport.resume_memory(None)
 
 
+def scenario_kv_scales(rec: Recorder) -> None:
+    """transport=tensor with only the FP8 KV cache's per-layer k/v scales (0-d float32), in a session of its own."""
+    from sglang_probe import _describe
+
+    from megatron_rl.precision.kv_scales import scale_tensors
+    from megatron_rl.rollout.sync import TensorWeightSync
+    from megatron_rl.rollout.sync.tensor import update_tensor_body
+
+    layers = sum(1 for n, _ in _bucket(rec.model_dir) if n.endswith("self_attn.o_proj.weight"))
+    bucket = scale_tensors(torch.rand(layers, 2) / 100 + 1e-3, "qwen3", range(layers))
+    transport = TensorWeightSync([rec.tp2_url or rec.engine_url], timeout_s=60)
+    start = len(rec.requests)
+    _sync(transport, bucket, 4)
+    index = next(i for i in range(start, len(rec.requests)) if rec.requests[i].path == "/update_weights_from_tensor")
+    tp = len(rec.requests[index].body["serialized_named_tensors"])
+    fresh = update_tensor_body(transport.arena.place(bucket), tp, True, 4)["serialized_named_tensors"]
+    rec.payloads.append({"body_index": index, "blobs": fresh, "expect": _describe(bucket), "scenario": "kv_scales"})
+    rec.keep.append(transport)
+
+
 SCENARIOS: dict[str, Callable[[Recorder], None]] = {
     "generate": scenario_generate,
     "disk": scenario_disk,
     "distributed": scenario_distributed,
     "tensor": scenario_tensor,
+    "kv_scales": scenario_kv_scales,
 }
 """Project code paths whose requests are recorded and checked (name -> function driving them against the engine)."""
 EXPECTED_PATHS = {"/generate", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
