@@ -1,5 +1,6 @@
 """Worker of tests/distributed/test_colocated_tensor_sync.py: a PP=2 learner colocated with two engines (engine e sees
-only device cpu:e, the learner rank of LOCAL_RANK e) syncs FP8 weights with the `tensor` transport.
+only device cpu:e, the learner rank of LOCAL_RANK e), or with one TP-2 engine on both devices (--engine-tp 2), syncs
+FP8 weights with the `tensor` transport.
 
 --mode colocated: the run's own start-up (runtime.attach_weight_senders) gives every rank its engine feed, then
 phases/weights.py sync_weights streams the whole model into each engine from the rank on its device.
@@ -8,7 +9,7 @@ refuses it (Invalid device_uuid), as a colocated SGLang engine refuses another G
 
 Run (normally through tests/conftest.py:run_distributed):
     python -m torch.distributed.run --standalone --nproc-per-node=2 tests/distributed/colocated_sync_worker.py \
-        --target HF_DIR --urls URL0,URL1 --version v1 --run-dir DIR [--mode colocated|stage-senders]
+        --target HF_DIR --urls URL0,URL1 --version v1 --run-dir DIR [--mode colocated|stage-senders] [--engine-tp 2]
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def main() -> None:
     p.add_argument("--version", required=True)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--mode", default="colocated", choices=["colocated", "stage-senders"])
+    p.add_argument("--engine-tp", type=int, default=1, help="TP size of every engine (its devices: cpu:e*tp ...)")
     a = p.parse_args()
     pcfg = ParallelConfig(pipeline_model_parallel_size=2)
     state.init_distributed(pcfg, seed=3)
@@ -53,7 +55,8 @@ def main() -> None:
     load_initial_weights(learner, a.target)
     precision = PrecisionConfig(rollout_quantization="fp8-blockwise")
     urls = a.urls.split(",")
-    rollout = RolloutConfig(engine="external", urls=urls, weight_update_urls=urls, placement="colocated", num_engines=2,
+    rollout = RolloutConfig(engine="external", urls=urls, weight_update_urls=urls, placement="colocated",
+                            num_engines=len(urls), engine_tp_size=a.engine_tp,
                             weight_sync={"transport": "tensor", "bucket_mb": BUCKET_MB, "timeout_s": 60})
     transport = TensorWeightSync(urls, bucket_mb=BUCKET_MB, timeout_s=60) if state.is_controller() else None
     feed, error = None, None

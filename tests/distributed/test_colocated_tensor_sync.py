@@ -10,7 +10,8 @@ A 2-process learner (PP=2: stage 0 on device cpu:0, stage 1 on cpu:1) syncs FP8 
   to the single-process reference (the blockwise quantization of the target weights, one process, no
   parallelism), greedy generation equals the W8A8 reference model's, the whole sync ran inside one
   weight-update session per engine, and rank e (stage e) fed engine e: stage 1's layers reached engine 0
-  through rank 0, which holds none of them.
+  through rank 0, which holds none of them;
+- one TP-2 engine on both devices gets TP rank r's payload from rank r (the two ranks' buckets agree).
 
 Run: pytest -q -m distributed tests/distributed/test_colocated_tensor_sync.py
 """
@@ -40,11 +41,14 @@ def engines(tmp_path_factory):
     target, _ = _hf_model(arch, seed=2)
     target.save_pretrained(str(root / "target"))
     save_fp8_checkpoint(initial.state_dict(), config.to_dict(), root / "initial_fp8")
-    specs = [EngineSpec(lambda port, e=e: engine_command(str(root / "initial_fp8"), port, extra_args=[
-        "--weight-update-timeout-s", "60", "--visible-devices", f"cpu:{e}"])) for e in range(2)]
+    # engines 0 and 1 on one device each; engine 2, TP=2, spans both (a layout of its own, run separately)
+    devices = [["--visible-devices", "cpu:0"], ["--visible-devices", "cpu:1"],
+               ["--visible-devices", "cpu:0,cpu:1", "--tp-size", "2"]]
+    specs = [EngineSpec(lambda port, extra=extra: engine_command(str(root / "initial_fp8"), port, extra_args=[
+        "--weight-update-timeout-s", "60", *extra])) for extra in devices]
     cluster = start_cluster(specs, log_dir=str(root / "logs"))
     try:
-        yield root, cluster.worker_urls, target
+        yield root, cluster.worker_urls[:2], target, cluster.worker_urls[2]
     finally:
         cluster.stop()
 
@@ -66,7 +70,7 @@ def _updates(url: str) -> list[dict]:
 def test_one_sender_per_stage_is_refused_by_the_engine_of_the_other_device(engines, tmp_path):
     from megatron_rl.precision.hf_fp8 import load_fp8_checkpoint
 
-    root, urls, _ = engines
+    root, urls, _, _ = engines
     _reset(root, urls)
     results = run_distributed(COLOCATED, 2, ["--target", str(root / "target"), "--urls", ",".join(urls),
                                              "--version", "bad", "--run-dir", str(tmp_path), "--mode", "stage-senders"],
@@ -90,7 +94,7 @@ def test_each_engine_is_fed_from_its_own_device_and_serves_the_reference_weights
     from megatron_rl.phases.weights import rollout_payload
     from megatron_rl.precision.hf_fp8 import save_fp8_checkpoint
 
-    root, urls, target = engines
+    root, urls, target, _ = engines
     _reset(root, urls)
     before = [len(_updates(u)) for u in urls]
     results = run_distributed(COLOCATED, 2, ["--target", str(root / "target"), "--urls", ",".join(urls),
@@ -120,3 +124,24 @@ def test_each_engine_is_fed_from_its_own_device_and_serves_the_reference_weights
         ref = teacher_forced_logprobs(reference, PROMPT, out["output_ids"])
         assert out["output_ids"] == ref.argmax(-1).tolist()
     assert metrics["sync/buckets"] > 8 and metrics["sync/bytes"] > 0  # each engine took many buckets
+
+
+def test_a_tp2_engine_gets_each_ranks_payload_from_that_ranks_device(engines, tmp_path):
+    """One TP-2 engine on devices cpu:0 and cpu:1: rank 0 posts its own payload as TP rank 0's and rank 1's (stage 1,
+    built in another process) as TP rank 1's; the engine opens entry r for rank r and requires them to agree, so the
+    two ranks formed the same buckets from the whole model."""
+    from megatron_rl.config.precision import PrecisionConfig
+    from megatron_rl.phases.weights import rollout_payload
+
+    root, _, target, tp2 = engines
+    _reset(root, [tp2])
+    results = run_distributed(COLOCATED, 2, ["--target", str(root / "target"), "--urls", tp2, "--version", "tp2",
+                                             "--run-dir", str(tmp_path), "--engine-tp", "2"], timeout=300)
+    assert [r["error"] for r in results] == [None, None], results
+    assert [(r["feed"]["tp_rank"], r["feed"]["feeders"]) for r in results] == [(0, [0, 1]), (1, [0, 1])]
+    assert results[0]["metrics"]["sync/buckets"] > 4  # every bucket posted once, by rank 0
+    hf = {k: v for k, v in target.state_dict().items() if k != "lm_head.weight"}
+    expected, _ = rollout_payload(hf, PrecisionConfig(rollout_quantization="fp8-blockwise"))
+    for name, t in expected.items():
+        assert torch.equal(_served(tp2, name), t.float()), name
+    assert _get(tp2, "/model_info")["weight_version"] == "tp2"
