@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,3 @@ def assign_feeds(engines: Sequence[tuple[str, Sequence[str]]], rank_devices: Seq
         for r, rank in enumerate(feeders):
             feeds[rank] = EngineFeed(url, r, devices, feeders)
     return feeds
-
-
-def feed_of(feeds: Optional[dict[int, EngineFeed]], rank: int) -> Optional[EngineFeed]:
-    """The feed of global learner rank `rank` (None: it feeds no engine)."""
-    return (feeds or {}).get(rank)
