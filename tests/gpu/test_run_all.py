@@ -92,3 +92,21 @@ def test_a_crash_or_a_silent_script_is_a_fail(tmp_path):
     assert any(ln.startswith("FAIL learner_device_check: exit 3") and "1 checks reported" in ln for ln in out), out
     assert any(ln.startswith("FAIL weight_sync_device_check: exit 0 but no check reported") for ln in out), out
     assert out[-1] == "3 passed, 2 failed, 1 skipped"
+
+
+@pytest.mark.slow
+def test_run_image_cpu_mirror(tmp_path):
+    """run_image.sh --cpu: the FP8-vs-BF16 training check on emulated FP8, the launcher and the weight-sync checks
+    through the fake SGLang; the CUDA-build checks are SKIPs with their reasons."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RUN_ALL_LOGS=str(tmp_path))
+    proc = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "run_image.sh"), "--cpu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=2400)
+    lines = parse(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(st, s) for st, s, _ in lines if st == "SKIP"] == [("SKIP", "one_environment"), ("SKIP", "fp8_device_check")]
+    assert checks(lines, "te_training_check") == {"bf16_learns": "PASS", "blockwise_tracks_bf16": "PASS",
+                                                  "broken_recipe_is_caught": "PASS"}
+    assert checks(lines, "sglang_launch_check") == {"fp8-blockwise/fp8_e4m3": "PASS"}
+    assert checks(lines, "sglang_sync_check") == {"tensor_before_sync": "PASS", "tensor_sync": "PASS",
+                                                  "distributed_before_sync": "PASS", "distributed_sync": "PASS"}
+    assert proc.stdout.splitlines()[-1] == "8 passed, 0 failed, 2 skipped"
