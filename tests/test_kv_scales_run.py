@@ -100,3 +100,17 @@ def test_recalibrated_fp8_kv_beats_unit_scales_on_a_rescaled_warm_start(warm, tm
     assert k3["unit"] > 20 * k3["recal"], k3
     assert k3["recal"] < 1.5 * k3["plain_unit"] + 1e-4, k3
     assert k3["plain_recal"] <= 1.25 * k3["plain_unit"] + 1e-4, k3
+
+
+def test_resume_continues_the_scales_identically(warm, tmp_path):
+    """A recalibrating run stopped after step 1 and resumed for step 2 gives the uninterrupted run's step 2: the
+    window of measured amax is checkpointed, so the first sync after the resume sends the same scales."""
+    fp8 = ("precision.kv_cache_dtype=fp8_e4m3", "optim.lr_decay_style=constant", "checkpoint.save_every=1")
+    reference = _run(tmp_path, warm, "reference", *fp8, "train.steps=3")
+    _run(tmp_path, warm, "resumed", *fp8, "train.steps=2")
+    resumed = _run(tmp_path, warm, "resumed", *fp8, "train.steps=3")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    ref, got = comparable(reference[2]), comparable(resumed[2])
+    assert "kv_cache/v_scale_max" in got
+    diff = sorted(k for k in set(ref) | set(got) if ref.get(k) != got.get(k))
+    assert not diff, diff[:12]

@@ -231,3 +231,22 @@ def test_colocated_plan_counts_what_stays_beside_the_engines(capsys):
     from megatron_rl.plan.report import render
 
     assert "beside the engines" in render(offloaded) and "(rollout.colocate_offload=true)" in render(offloaded)
+
+
+def test_plan_shows_kv_memory_and_the_concurrency_fp8_kv_buys():
+    """With an FP8 cache each token takes half the bytes: the same KV memory holds twice the sequences (floor division
+    aside), the report names both counts and the scales the engines get (unit for Qwen3 on SGLang, which drops them)."""
+    from megatron_rl.plan.report import render
+
+    bf16 = make_plan(load_config(CONFIGS / "qwen3_8b_fp8_grpo.yaml"), 2, 8, "h100")
+    fp8 = make_plan(load_config(CONFIGS / "qwen3_8b_fp8_grpo.yaml", ["precision.kv_cache_dtype=fp8_e4m3"]), 2, 8, "h100")
+    a, b = bf16.engine_memory, fp8.engine_memory
+    assert a.kv_bytes == b.kv_bytes > 0 and b.kv_bytes_per_token * 2 == a.kv_bytes_per_token
+    assert b.sequences == a.sequences_other_dtype and a.sequences == b.sequences_other_dtype
+    assert 2 * a.sequences <= b.sequences <= 2 * a.sequences + 1 and a.sequences > 0
+    text = render(fp8)
+    assert f"{b.sequences:8d} sequences per replica at once; {a.sequences} with BF16 KV" in text
+    assert "FP8 E4M3 K/V (scales: unit)" in text and fp8.kv_cache_scales == "unit"
+    llama = load_config(CONFIGS / "qwen3_8b_fp8_grpo.yaml", ["precision.kv_cache_dtype=fp8_e4m3", "model.preset=llama3-8b"],
+                        check_layout=False)
+    assert make_plan(llama, 2, 8, "h100").kv_cache_scales == "recalibrate"

@@ -119,7 +119,7 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
     return out
 
 
-def _sglang_drops_kv_scales(cfg: RunConfig) -> bool:
+def sglang_drops_kv_scales(cfg: RunConfig) -> bool:
     """Whether the run's engines are SGLang (started or external) serving a model whose K/V scales SGLang 0.5.23 drops."""
     from megatron_rl.models.presets import get_preset
     from megatron_rl.precision.kv_scales import SGLANG_KV_SCALE_FAMILIES
@@ -133,7 +133,7 @@ def kv_scale_errors(cfg: RunConfig) -> list[str]:
     """precision.kv_cache_scales=recalibrate where SGLang cannot load the scales (precision/kv_scales.py: Qwen3)."""
     from megatron_rl.models.presets import get_preset
 
-    if cfg.precision.kv_cache_scales != "recalibrate" or not _sglang_drops_kv_scales(cfg):
+    if cfg.precision.kv_cache_scales != "recalibrate" or not sglang_drops_kv_scales(cfg):
         return []
     return [f"precision.kv_cache_scales=recalibrate cannot reach rollout.engine={cfg.rollout.engine} engines serving a "
             f"{cfg.model.preset} ({get_preset(cfg.model.preset).family}) model: SGLang 0.5.23's Qwen3Attention builds its RadixAttention "
@@ -313,7 +313,7 @@ def resolve_for_engines(cfg: RunConfig, facts=None) -> tuple[RunConfig, list[str
         cfg = cfg.model_copy(update={"precision": prec.model_copy(update={"rollout_scale_fmt": fmt})})
     if cfg.precision.kv_cache_scales == "auto" and cfg.precision.kv_cache_dtype == "fp8_e4m3":
         # concrete in the run's record; unit where SGLang would drop the scales (Qwen3) or w8a8_fp8 loads none
-        scales = "unit" if _sglang_drops_kv_scales(cfg) or not cfg.precision.recalibrates_kv_scales else "recalibrate"
+        scales = "unit" if sglang_drops_kv_scales(cfg) or not cfg.precision.recalibrates_kv_scales else "recalibrate"
         cfg = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"kv_cache_scales": scales})})
     return cfg, device.engine_device_errors(cfg.precision, capability)
 

@@ -54,7 +54,7 @@ class KvCacheScales:
         return {"kv_cache/k_amax": float(amax[:, 0].max()), "kv_cache/v_amax": float(amax[:, 1].max()),
                 "kv_cache/k_scale_max": float(scales[:, 0].max()), "kv_cache/v_scale_max": float(scales[:, 1].max()),
                 "kv_cache/k_scale_min": float(scales[:, 0].min()), "kv_cache/v_scale_min": float(scales[:, 1].min()),
-                "kv_cache/reduce_s": time.perf_counter() - t0}
+                "time/kv_cache_reduce": time.perf_counter() - t0}
 
     def scales(self) -> torch.Tensor:
         """[L, 2] float32 (k_scale, v_scale) per layer, identical on every rank."""

@@ -121,6 +121,8 @@ class Plan:
     """precision.rollout_scale_fmt as the engines of this allocation get it (auto resolved for the --gpu engines)."""
     learner_kernels: list[str] = field(default_factory=list)
     """Which layer spec, fusions and overlaps the learner runs on this GPU (trainer/model.py LearnerKernels)."""
+    kv_cache_scales: str = "unit"
+    """FP8 KV cache scales the engines get: recalibrate (measured, sent with every sync) or unit (precision/kv_scales.py)."""
 
     @property
     def ok(self) -> bool:
@@ -288,7 +290,17 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                 learner_beside_engines=lm.beside_engines(r.colocate_offload) if lay.placement == "colocated" else 0,
                 recipe=prec.recipe, rollout_quantization=prec.rollout_quantization,
                 rollout_scale_fmt_requested=prec.rollout_scale_fmt, rollout_scale_fmt=scale_fmt,
-                learner_kernels=_learner_kernels(device, p))
+                learner_kernels=_learner_kernels(device, p), kv_cache_scales=_kv_cache_scales(cfg))
+
+
+def _kv_cache_scales(cfg) -> str:
+    """precision.kv_cache_scales as the run resolves it (config/run.py resolve_for_engines)."""
+    from megatron_rl.config.run import sglang_drops_kv_scales
+
+    prec = cfg.precision
+    if prec.kv_cache_scales != "auto":
+        return prec.kv_cache_scales
+    return "recalibrate" if prec.recalibrates_kv_scales and not sglang_drops_kv_scales(cfg) else "unit"
 
 
 def _learner_kernels(device: DeviceSpec, parallel) -> list[str]:

@@ -202,6 +202,14 @@ class EngineMemory:
     """Tokens the KV cache holds per engine replica after the weights (<= 0: the weights do not fit)."""
     kv_demand_tokens: int
     """Tokens the configured concurrency asks one replica to hold at the same time."""
+    kv_fp8: bool = False
+    """Whether the cache stores FP8 (E4M3) K/V (precision.kv_cache_dtype=fp8_e4m3)."""
+    kv_bytes: int = 0
+    """Bytes of the KV cache on one engine GPU: the static pool minus the weights."""
+    sequences: int = 0
+    """Whole sequences (prompt + max_new_tokens) the KV cache holds per replica at once: the concurrency it allows."""
+    sequences_other_dtype: int = 0
+    """The same with the other KV dtype (BF16 when the cache is FP8, FP8 when BF16): what FP8 KV buys."""
 
 
 def served_weight_bytes(arch: Architecture, fp8: bool) -> int:
@@ -227,8 +235,12 @@ def engine_memory(arch: Architecture, *, engine_tp: int, fp8_weights: bool, kv_f
     per_token = kv_bytes_per_token(arch, engine_tp, kv_fp8)
     pool = int(mem_fraction_static * device_bytes)
     capacity = (pool - weights) // per_token
+    other = (pool - weights) // kv_bytes_per_token(arch, engine_tp, not kv_fp8)
+    seq = max(tokens_per_sequence, 1)
     return EngineMemory(weights=weights, kv_bytes_per_token=per_token, pool=pool, kv_capacity_tokens=int(capacity),
-                        kv_demand_tokens=concurrent_sequences * tokens_per_sequence)
+                        kv_demand_tokens=concurrent_sequences * tokens_per_sequence, kv_fp8=kv_fp8,
+                        kv_bytes=max(pool - weights, 0), sequences=max(int(capacity) // seq, 0),
+                        sequences_other_dtype=max(int(other) // seq, 0))
 
 
 def sglang_default_mem_fraction(device_bytes: int, engine_tp: int) -> float:

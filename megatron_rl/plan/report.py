@@ -78,6 +78,11 @@ def render(plan: Plan, title: str = "") -> str:
             f"  static pool         {_gib(em.pool)}   rollout.mem_fraction_static x GPU memory",
             f"  KV capacity         {em.kv_capacity_tokens:8d} tokens per replica (pool - weights) / per-token bytes; "
             f"demand {em.kv_demand_tokens} (concurrency x n / replicas x (prompt + max_new_tokens))",
+            f"  KV cache            {_gib(em.kv_bytes)}   pool - weights, {'FP8 E4M3' if em.kv_fp8 else 'BF16'} K/V"
+            + (f" (scales: {plan.kv_cache_scales})" if em.kv_fp8 else ""),
+            f"  concurrency         {em.sequences:8d} sequences per replica at once; "
+            f"{em.sequences_other_dtype} with {'BF16' if em.kv_fp8 else 'FP8'} KV "
+            f"({'what FP8 KV buys' if em.kv_fp8 else 'precision.kv_cache_dtype=fp8_e4m3'})",
         ]
     lines += [
         "communication per step (plan/throughput.py):",
