@@ -207,7 +207,7 @@ def test_sequences_per_request_default_and_router_rule():
     base = Path(__file__).parent.parent / "examples" / "configs" / "tiny_fp8_grpo.yaml"
     assert load_config(base).rollout.resolved_sequences_per_request == 256
     routed = load_config(base, ["rollout.use_router=true"]).rollout
-    assert routed.resolved_sequences_per_request == routed.n_samples_per_prompt
+    assert routed.resolved_sequences_per_request == 1  # greedy evaluations (n = 1) must not pack either
     assert load_config(base, ["rollout.sequences_per_request=32"]).rollout.resolved_sequences_per_request == 32
     with pytest.raises(ConfigError, match=r"rollout\.sequences_per_request=32.*sglang-router"):
         load_config(base, ["rollout.use_router=true", "rollout.sequences_per_request=32"])

@@ -138,7 +138,7 @@ class RolloutConfig(StrictConfig):
     concurrency: PositiveInt = 8
     """Maximum in-flight HTTP requests per client (>= 1)."""
     sequences_per_request: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
-    """Samples (prompts x n, 1-1024) one batched /generate call may carry, whole prompts packed in order; None = 256 for embedded engines without a router (a deterministic embedded engine generates one call as one batch), else one prompt per call (SGLang batches across calls itself, and the router spreads prompts over engines). Above n_samples_per_prompt needs engines addressed directly: sglang-router 0.3.2 takes one sampling_params per call, and every prompt carries its own sampling_seed."""
+    """Samples (prompts x n, 1-1024) one batched /generate call may carry, whole prompts packed in order; None = 256 for embedded engines without a router (a deterministic embedded engine generates one call as one batch), else 1, one prompt per call (SGLang batches across calls itself, and the router spreads prompts over engines). Above 1 needs engines addressed directly: sglang-router 0.3.2 takes one sampling_params per call, and every prompt carries its own sampling_seed."""
     request_timeout_s: PositiveFloat = 120.0
     """Timeout of one HTTP request (seconds, > 0)."""
     max_retries: NonNegativeInt = 3
@@ -224,7 +224,7 @@ class RolloutConfig(StrictConfig):
                 raise ValueError(f"rollout.weight_sync.transport=tensor hands engines shared-memory / CUDA-IPC handles, "
                                  f"which only an engine on this host can open; {remote[0]} is elsewhere "
                                  "(use transport=distributed or disk)")
-        if (self.sequences_per_request is not None and self.sequences_per_request > self.n_samples_per_prompt
+        if (self.sequences_per_request is not None and self.sequences_per_request > 1
                 and (self.use_router or self.engine == "external")):
             raise ValueError(f"rollout.sequences_per_request={self.sequences_per_request} packs several prompts into one "
                              "/generate call, which needs engines addressed directly: sglang-router 0.3.2 refuses a list "
@@ -246,11 +246,12 @@ class RolloutConfig(StrictConfig):
 
     @property
     def resolved_sequences_per_request(self) -> int:
-        """sequences_per_request with None resolved (256 embedded; n_samples_per_prompt, one prompt per call, otherwise)."""
+        """sequences_per_request with None resolved (256 embedded engines addressed directly; 1, one prompt per call, otherwise)."""
         if self.sequences_per_request is not None:
             return self.sequences_per_request
         direct = self.engine == "embedded" and not self.use_router
-        return EMBEDDED_SEQUENCES_PER_REQUEST if direct else self.n_samples_per_prompt
+        # 1: every prompt in a call of its own, whatever its n (greedy evaluations ask for n = 1)
+        return EMBEDDED_SEQUENCES_PER_REQUEST if direct else 1
 
     def _check_colocated(self) -> None:
         """What rollout.placement=colocated needs (engines on the learner's devices, memory released while it trains)."""
