@@ -129,18 +129,38 @@ def test_dose_report_groups_arms_by_k_and_calibration(tmp_path):
     arms = [{"name": "hp", "overrides": {}},
             {"name": "fp8", "overrides": {"precision.recipe": "blockwise"}},
             {"name": "fp8_k4", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0}},
+            {"name": "fp8_calib", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True}},
             {"name": "fp8_calib_k4", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0,
-                                                   "algo.calibration.enabled": True, "algo.calibration.shadow_fraction": 1.0}}]
+                                                   "algo.calibration.enabled": True, "algo.calibration.shadow_fraction": 1.0}},
+            {"name": "fp8_calib_full", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True,
+                                                     "algo.calibration.strength": "full"}}]
     study = load_study(_spec(tmp_path, arms=arms))
-    assert [arm_dose(a.overrides) for a in study.spec.arms] == [(None, False), (1.0, False), (4.0, False), (4.0, True)]
-    for arm, k in (("hp", 0.5), ("fp8", 1.0), ("fp8_k4", 4.0)):
+    assert [arm_dose(a.overrides) for a in study.spec.arms] == [
+        (None, "reference"), (1.0, "vanilla"), (4.0, "vanilla"), (1.0, "calibrated"), (4.0, "calibrated"),
+        (1.0, "calibrated, strength=full")]
+    for arm, k in (("hp", 0.5), ("fp8", 1.0), ("fp8_k4", 4.0), ("fp8_calib", 2.0)):
         for seed in (1, 2):
             _fake_run(study, arm, seed, k + seed, dumps=False)
     text = write_dose_report(study).read_text()
-    assert "| metric | hp (reference) | vanilla k=1 | vanilla k=4 | calibrated k=4 |" in text
-    row = next(line for line in text.splitlines() if line.startswith("| clipfrac_lower_neg |"))
-    assert row.split(" | ")[3] == "0.055 [0.05, 0.06]" and row.endswith("| n/a |")  # (4+1, 4+2) * 0.01; k4 calib never ran
+    assert ("| metric | hp (reference) | vanilla k=1 | vanilla k=4 | calibrated k=1 | calibrated k=4 "
+            "| calibrated, strength=full k=1 |") in text
+    row = next(line for line in text.splitlines() if line.startswith("| clipfrac_lower_neg |")).split(" | ")
+    # (4+1, 4+2) * 0.01; the default calibration at k = 1 keeps its own cell beside the full-strength arm (which, never
+    # run, must not overwrite it); k4 calib and full never ran
+    assert row[3] == "0.055 [0.05, 0.06]" and row[4] == "0.035 [0.03, 0.04]" and row[5:] == ["n/a", "n/a |"], row
     assert (study.report_out / "dose.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dose_report_refuses_two_arms_in_one_cell(tmp_path):
+    from megatron_rl.study.dose import write_dose_report
+
+    arms = [{"name": "hp", "overrides": {}},
+            {"name": "calib_a", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True}},
+            {"name": "calib_b", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True,
+                                              "algo.calibration.shadow_fraction": 1.0}}]
+    study = load_study(_spec(tmp_path, arms=arms))
+    with pytest.raises(StudyError, match="'calib_a' and 'calib_b' both are calibrated at k=1"):
+        write_dose_report(study)
 
 
 def test_malformed_metrics_come_from_the_rows_and_the_final_state():

@@ -2,9 +2,10 @@
 
     python tools/dose_response.py examples/studies/deep_addtrace_dose.yaml   # -> <report_dir>/DOSE.md, dose.png
 
-Each arm's k is its `algo.experimental.clip_error_scale` override (1 without one), and it is `calibrated` when it
-sets `algo.calibration.enabled: true`; arms with a recipe of none are the high-precision reference. For every
-(k, calibrated) pair the table gives mean [min, max] over finished seeds of the metrics below (definitions:
+Each arm's k is its `algo.experimental.clip_error_scale` override (1 without one), and its variant is `vanilla`, or
+`calibrated` when it sets `algo.calibration.enabled: true` (`calibrated, strength=full` and the like when it also
+overrides `algo.calibration.strength`); arms with a recipe of none are the high-precision reference. For every
+(k, variant) pair the table gives mean [min, max] over finished seeds of the metrics below (definitions:
 megatron_rl/study/results.py); the figure draws them against k, vanilla and calibrated, with the reference's
 seed range as a band. Pure reading of finished runs: nothing is trained here.
 """
@@ -14,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_rl.study import results
+from megatron_rl.study import StudyError, results
 
 DOSE_METRICS = ("clipfrac_lower_neg", "reward (mean)", "reward (last)", "entropy (last)", "entropy (max)",
                 "malformed (last)", "held-out accuracy after RL", "held-out malformed after RL")
@@ -24,11 +25,20 @@ DOSE_MEASURED = ("entropy after RL, high-precision forward", "sampled reward aft
 """Further rows once runs were measured in high precision (`megatron-rl study SPEC --hp-measure`); not plotted."""
 
 
-def arm_dose(overrides: dict[str, Any]) -> tuple[Optional[float], bool]:
-    """(k, calibrated) of an arm from its overrides; k is None for a high-precision arm (recipe none)."""
+def arm_dose(overrides: dict[str, Any]) -> tuple[Optional[float], str]:
+    """(k, variant) of an arm from its overrides; k is None for a high-precision arm (recipe none)."""
     if overrides.get("precision.recipe", "none") == "none":
-        return None, False
-    return float(overrides.get("algo.experimental.clip_error_scale", 1.0)), bool(overrides.get("algo.calibration.enabled", False))
+        return None, "reference"
+    k = float(overrides.get("algo.experimental.clip_error_scale", 1.0))
+    if not overrides.get("algo.calibration.enabled", False):
+        return k, "vanilla"
+    strength = overrides.get("algo.calibration.strength")
+    return k, "calibrated" if strength is None else f"calibrated, strength={strength}"
+
+
+def _variant_order(variant: str) -> tuple[int, str]:
+    """vanilla, then the default calibration, then the other strengths by name."""
+    return ({"vanilla": 0, "calibrated": 1}.get(variant, 2), variant)
 
 
 def _cell(s: results.SeedStats) -> str:
@@ -39,24 +49,30 @@ def _cell(s: results.SeedStats) -> str:
 
 
 def dose_table(study) -> tuple[str, dict]:
-    """(markdown, {metric: {(k, calibrated): SeedStats}} plus the reference arm's stats under key None)."""
+    """(markdown, {metric: {(k, variant): SeedStats}} plus the reference arm's stats under key None); StudyError when
+    two arms give the same (k, variant), which one table cell cannot show."""
     records = results.collect(study, study.spec.steps)
     names = [a.name for a in study.spec.arms]
     stats = results.arm_stats(records, names, study.spec.tail_fraction)
     measured = [m for m in DOSE_MEASURED if any(stats[a][m].finite for a in names)]
     dose: dict[str, dict] = {m: {} for m in (*DOSE_METRICS, *measured)}
     ref_name = None
+    owner: dict[tuple, str] = {}
     for arm in study.spec.arms:
-        k, calibrated = arm_dose(arm.overrides)
+        k, variant = arm_dose(arm.overrides)
+        if k is not None and (k, variant) in owner:
+            raise StudyError(f"arms {owner[(k, variant)]!r} and {arm.name!r} both are {variant} at k={k:g}: the dose table "
+                             "has one cell for them (set algo.calibration.strength or clip_error_scale apart)")
+        owner[(k, variant)] = arm.name
         if k is None:
             ref_name = ref_name or arm.name
             for m in dose:
                 dose[m][None] = stats[arm.name][m]
             continue
         for m in dose:
-            dose[m][(k, calibrated)] = stats[arm.name][m]
-    keys = sorted({key for m in dose.values() for key in m if key is not None}, key=lambda x: (x[1], x[0]))
-    header = ["metric", *(f"{'calibrated' if c else 'vanilla'} k={k:g}" for k, c in keys)]
+            dose[m][(k, variant)] = stats[arm.name][m]
+    keys = sorted({key for m in dose.values() for key in m if key is not None}, key=lambda x: (_variant_order(x[1]), x[0]))
+    header = ["metric", *(f"{v} k={k:g}" for k, v in keys)]
     if ref_name:
         header.insert(1, f"{ref_name} (reference)")
     lines = [f"# Dose-response: {study.spec_path.name}", "",
@@ -85,17 +101,18 @@ def plot_dose(dose: dict, out: Path) -> Path:
         ref = dose[m].get(None)
         if ref is not None and ref.finite:
             ax.axhspan(min(ref.finite), max(ref.finite), color="gray", alpha=0.25, lw=0, label="reference (seed range)")
-        for calibrated, color in ((False, "tab:red"), (True, "tab:blue")):
-            pts = sorted((k, s) for (k, c), s in ((key, v) for key, v in dose[m].items() if key is not None)
-                         if c == calibrated and s.finite)
+        variants = sorted({v for key in dose[m] if key is not None for v in [key[1]]}, key=_variant_order)
+        for variant in variants:
+            color = {"vanilla": "tab:red", "calibrated": "tab:blue"}.get(variant)
+            pts = sorted((k, s) for (k, v), s in ((key, val) for key, val in dose[m].items() if key is not None)
+                         if v == variant and s.finite)
             if not pts:
                 continue
             ks = [k for k, _ in pts]
             mean = [s.mean for _, s in pts]
             lo = [s.mean - min(s.finite) for _, s in pts]
             hi = [max(s.finite) - s.mean for _, s in pts]
-            ax.errorbar(ks, mean, yerr=[lo, hi], marker="o", ms=4, capsize=2, color=color,
-                        label="calibrated" if calibrated else "vanilla")
+            ax.errorbar(ks, mean, yerr=[lo, hi], marker="o", ms=4, capsize=2, color=color, label=variant)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("k (error scale)")
         ax.set_title(m, fontsize=9)
