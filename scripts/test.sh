@@ -18,4 +18,5 @@ for arg in "$@"; do
     -n|-n*|--numprocesses*|no:xdist) workers=() ;;
   esac
 done
-exec .venv/bin/python -m pytest "${quiet[@]}" "${workers[@]}" "$@"
+# The 25 slowest tests close every run: where the suite's time goes, read off any run (CI's included).
+exec .venv/bin/python -m pytest "${quiet[@]}" "${workers[@]}" --durations=25 "$@"
