@@ -101,11 +101,10 @@ def plot_dose(dose: dict, out: Path) -> Path:
         ref = dose[m].get(None)
         if ref is not None and ref.finite:
             ax.axhspan(min(ref.finite), max(ref.finite), color="gray", alpha=0.25, lw=0, label="reference (seed range)")
-        variants = sorted({v for key in dose[m] if key is not None for v in [key[1]]}, key=_variant_order)
-        for variant in variants:
+        cells = {key: s for key, s in dose[m].items() if key is not None}
+        for variant in sorted({v for _, v in cells}, key=_variant_order):
             color = {"vanilla": "tab:red", "calibrated": "tab:blue"}.get(variant)
-            pts = sorted((k, s) for (k, v), s in ((key, val) for key, val in dose[m].items() if key is not None)
-                         if v == variant and s.finite)
+            pts = sorted((k, s) for (k, v), s in cells.items() if v == variant and s.finite)
             if not pts:
                 continue
             ks = [k for k, _ in pts]
