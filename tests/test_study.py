@@ -173,6 +173,18 @@ def test_malformed_metrics_come_from_the_rows_and_the_final_state():
     assert math.isnan(results.run_value([{"step": 0}], by["malformed (last)"], 0.4, {}))  # tasks without a format
 
 
+def test_mismatch_and_kv_scale_share_follow_their_definitions():
+    by = {m.label: m for m in results.METRICS}
+    rows = [{"step": 0, "mismatch_k3_kl": 1e-3, "time/step": 2.0, "time/kv_cache_reduce": 0.02},
+            {"step": 1, "mismatch_k3_kl": 3e-3, "time/step": 3.0, "time/kv_cache_reduce": 0.08},
+            {"step": 2, "time/step": 100.0}]  # a step without a measurement counts in neither sum
+    assert results.run_value(rows, by["train-vs-rollout k3 KL"], 0.4, {}) == pytest.approx(2e-3)
+    assert results.run_value(rows, by["KV-scale measurement, share of a step"], 0.4, {}) == pytest.approx(0.1 / 5.0)
+    assert math.isnan(results.run_value([{"step": 0, "time/step": 2.0}], by["KV-scale measurement, share of a step"], 0.4, {}))
+    kl = by["train-vs-rollout k3 KL"]
+    assert results._relative(kl, results.SeedStats([2e-3]), results.SeedStats([1e-3])) == "2x"  # the 1.1x target reads off
+
+
 def _fake_run(study, arm: str, seed: int, k: float, dumps: bool) -> None:
     """A finished 10-step run: metrics rising with k, shadow metrics every 5 steps, final checkpoint, config."""
     d = study.run_dir(arm, seed)
@@ -219,6 +231,7 @@ def test_report_on_synthetic_runs(tmp_path):
     assert row == f"| clipfrac_lower_neg | 0.005 ± 0 [0.005, 0.005] | {results.SeedStats([0.01, 0.03]).cell()} |"
     assert "| clipfrac_lower_neg | 4x |" in text                                         # (0.01+0.03)/2 / 0.005
     assert "held-out accuracy after RL" in text and "20.0% -> 220.0%" not in text
+    assert "KV-scale measurement" not in text and "| train-vs-rollout k3 KL |" in text  # no run recalibrated KV scales
     assert "arm `hp`: no calibration token dumps" in text and "arm `fp8`: no" not in text
     assert "`hp` seed 2: missing" in text
     for png in ("curves.png", "bounds.png", "ratio_hist.png"):

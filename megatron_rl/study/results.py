@@ -31,8 +31,11 @@ class MetricDef:
     key: str
     reduce: str
     """mean (finite values over all steps), window (steps from the spec's from_step on), tail (last tail_fraction of
-    steps), max, calib (calibration steps), eval, measured (the final checkpoint's hp_measure.json entry)."""
+    steps), max, calib (calibration steps), eval, measured (the final checkpoint's hp_measure.json entry), share
+    (sum of `key` over sum of `per` on the rows that log both)."""
     definition: str
+    per: Optional[str] = None
+    """Denominator key of a `share` metric."""
 
 
 HP_SAMPLED = ("rollout.n_samples_per_prompt completions each (the run's sampling settings) of a fixed seeded set of "
@@ -86,6 +89,15 @@ METRICS = (
               "fraction of negative tokens' low-precision ratios below the solved L; mean over calibration steps"),
     MetricDef("log-ratio error (shadow)", "fp8/log_ratio_abs_err", "mean",
               "mean per-token |low-precision minus high-precision log-ratio|; mean over the steps that ran the shadow pass"),
+    MetricDef("train-vs-rollout |dlogp|", "mismatch_abs_dlogp", "mean",
+              "mean per-token |learner log-prob - rollout engine log-prob| of the sampled tokens; mean over all steps"),
+    MetricDef("train-vs-rollout k3 KL", "mismatch_k3_kl", "mean",
+              "per-token k3 estimate of KL(rollout || learner) on the sampled tokens; mean over all steps"),
+    MetricDef("token_mult_prob_error", "token_mult_prob_error", "mean",
+              "per-token mean of exp|learner - rollout log-prob| (1 = identical); mean over all steps"),
+    MetricDef("KV-scale measurement, share of a step", "time/kv_cache_reduce", "share",
+              "time measuring and reducing the per-layer K/V amax (precision.kv_cache_scales=recalibrate) over step "
+              "time, summed over all steps", per="time/step"),
     MetricDef("rollout log-prob error after RL, own engine", "own/logprob_gap", "measured",
               "mean per-token |log-prob the arm's own engine reported - fp32 forward log-prob| of its sampled tokens, "
               "final weights (the rollout's measurement error; about 1e-6 for a high-precision engine)"),
@@ -111,6 +123,10 @@ def run_value(rows: Sequence[dict], metric: MetricDef, tail_fraction: float, eva
     elif metric.reduce == "calib":
         calib = [r for r in rows if any(_finite(r.get(k)) for k in CALIBRATION_ROW_KEYS)]
         rows = calib if calib else rows
+    if metric.reduce == "share":
+        both = [r for r in rows if _finite(r.get(metric.key)) and _finite(r.get(metric.per))]
+        total = sum(float(r[metric.per]) for r in both)
+        return sum(float(r[metric.key]) for r in both) / total if total > 0 else math.nan
     vals = [float(r[metric.key]) for r in rows if _finite(r.get(metric.key))]
     if not vals:
         return math.nan
@@ -262,12 +278,23 @@ def arm_stats(records: Sequence[RunRecord], arms: Sequence[str], tail_fraction: 
     return out
 
 
+def _reported(metric: MetricDef, records: Sequence[RunRecord]) -> bool:
+    """hp-measured rows only once some run was measured (`megatron-rl study SPEC --hp-measure`), share rows only
+    where some run logs their numerator (e.g. the KV-scale time of recalibrating runs): other studies' tables keep
+    their rows."""
+    if metric.reduce == "measured":
+        return any(metric.key in r.measured for r in records)
+    if metric.reduce == "share":
+        return any(_finite(row.get(metric.key)) for r in records for row in r.rows)
+    return True
+
+
 def _relative(metric: MetricDef, arm: SeedStats, ref: SeedStats) -> str:
     """Ratio of means for clip fractions and log-ratio errors (scale-free), difference of means otherwise."""
     a, b = arm.mean, ref.mean
     if not (math.isfinite(a) and math.isfinite(b)):
         return "n/a"
-    if metric.key.startswith(("clipfrac", "hp/clipfrac", "offpolicy/clipfrac", "fp8/")):
+    if metric.key.startswith(("clipfrac", "hp/clipfrac", "offpolicy/clipfrac", "fp8/", "mismatch_")):
         return f"{a / b:.3g}x" if b != 0 else "n/a (reference 0)"
     return f"{a - b:+.4g}"
 
@@ -282,8 +309,7 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
     spec = study.spec
     arms = [a.name for a in spec.arms]
     stats = arm_stats(records, arms, spec.tail_fraction, spec.from_step)
-    # hp-measured rows only once some run was measured (megatron-rl study SPEC --hp-measure)
-    shown = [m for m in METRICS if m.reduce != "measured" or any(m.key in r.measured for r in records)]
+    shown = [m for m in METRICS if _reported(m, records)]
     tail_pct = f"{100 * spec.tail_fraction:g}%"
     label = lambda m: m.label.replace("(last)", f"(last {tail_pct})").replace("step N", f"step {spec.from_step}")  # noqa: E731
     done = sum(r.status == "done" for r in records)
@@ -318,7 +344,7 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
         lines += [
             f"## Relative to `{spec.reference}`",
             "",
-            "Clip fractions and log-ratio errors: ratio of seed means; everything else: difference of seed means.",
+            "Clip fractions, log-ratio errors, |dlogp| and k3 KL: ratio of seed means; everything else: difference of seed means.",
             "",
             *_table(["metric", *others],
                     [[label(m), *(_relative(m, stats[a][m.label], ref[m.label]) for a in others)] for m in shown]),
