@@ -95,7 +95,7 @@ def test_probe_measures_the_post_rope_kv_an_engine_caches(learner):
 
 def test_tracker_rule_window_headroom_and_state():
     """scale = headroom x max over the last `window` steps / 448; unmeasured layers keep 1.0; state round-trips."""
-    t = kv_scales.KvScaleTracker(num_layers=2, window=2, headroom=1.5)
+    t = kv_scales.KvScaleTracker(num_layers=2, window=2, headroom=1.5, power_of_two=False)
     assert not t.calibrated and torch.equal(t.scales(), torch.ones(2, 2))
     t.observe(torch.tensor([[4.0, 100.0], [0.0, 2.0]], dtype=torch.float64))
     t.observe(torch.tensor([[2.0, 300.0], [float("nan"), 1.0]], dtype=torch.float64))
@@ -104,13 +104,34 @@ def test_tracker_rule_window_headroom_and_state():
     torch.testing.assert_close(t.scales(), expect)
     t.observe(torch.tensor([[1.0, 10.0], [1.0, 1.0]], dtype=torch.float64))  # the first step leaves the window
     torch.testing.assert_close(t.scales()[0], torch.tensor([2.0, 300.0]) * 1.5 / 448)
-    u = kv_scales.KvScaleTracker(num_layers=2, window=2, headroom=1.5)
+    u = kv_scales.KvScaleTracker(num_layers=2, window=2, headroom=1.5, power_of_two=False)
     u.load_state_dict(t.state_dict())
     assert torch.equal(u.scales(), t.scales())
     with pytest.raises(ValueError, match="shape"):
         t.observe(torch.zeros(3, 2))
     with pytest.raises(ValueError, match="headroom"):
         kv_scales.KvScaleTracker(2, 1, headroom=0.5)
+
+
+def test_power_of_two_scales_round_up_and_cache_exactly_as_unit_in_range():
+    """The default rule rounds headroom x amax / 448 up to a power of two: never less headroom than asked, and an FP8
+    cache at such a scale rounds every in-range value exactly as at 1.0 (an arbitrary scale draws other errors)."""
+    from megatron_rl.precision.kv_cache import fake_quantize_kv
+
+    t = kv_scales.KvScaleTracker(num_layers=2, window=1, headroom=2.0)
+    t.observe(torch.tensor([[6.5, 2.8], [448.0 / 2.0, 3000.0]], dtype=torch.float64))
+    s = t.scales()
+    exact = torch.tensor([[6.5, 2.8], [224.0, 3000.0]]) * 2.0 / 448
+    assert torch.equal(s, torch.exp2(torch.ceil(torch.log2(exact))))
+    assert (s >= exact).all() and (s < 2 * exact).all() and s[1, 0] == 1.0  # 224 x 2 / 448 is already 2^0
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g, dtype=torch.float64) * 2.0  # |x| well inside [2^-6, 448]: normal at scale 1.0
+    x = x[x.abs() > 2.0 ** -6]
+    assert torch.equal(fake_quantize_kv(x, float(s[0, 0])), fake_quantize_kv(x, 1.0))
+    assert not torch.equal(fake_quantize_kv(x, float(exact[0, 0])), fake_quantize_kv(x, 1.0))
+    u = kv_scales.KvScaleTracker(num_layers=2, window=1, headroom=2.0)
+    u.load_state_dict(t.state_dict())
+    assert torch.equal(u.scales(), s) and t.state_dict()["power_of_two"] is True
 
 
 def test_names_sglang_loads_per_family_and_its_scale_rules():

@@ -51,7 +51,7 @@ def check_last_sync_is_served(run_dir: Path) -> None:
 
     ckpt = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
     saved = pickle.loads((ckpt / "rl_state.pkl").read_bytes())["kv_cache_scales"]
-    tracker = KvScaleTracker(saved["num_layers"], saved["window"], saved["headroom"])
+    tracker = KvScaleTracker(saved["num_layers"], saved["window"], saved["headroom"], saved["power_of_two"])
     tracker.load_state_dict(saved)
     expect = tracker.scales()
     synced = max((run_dir / "weights").glob("weights_*"), key=lambda p: p.stat().st_mtime)

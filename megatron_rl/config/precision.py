@@ -43,6 +43,8 @@ class PrecisionConfig(StrictConfig):
     """recalibrate: a scale covers the max K/V amax of the last this many (>= 1) steps."""
     kv_cache_scale_headroom: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     """recalibrate: scale = headroom (>= 1) x amax / 448: the margin between the measured amax and FP8 overflow (SGLang does not clamp: overflow is NaN)."""
+    kv_cache_scale_rounding: Literal["power_of_two", "none"] = "power_of_two"
+    """recalibrate: power_of_two rounds each scale up to a power of two (then the cache rounds exactly as at scale 1.0 wherever 1.0 neither overflows nor underflows), none keeps headroom x amax / 448; precision/kv_scales.py."""
     fp4_hadamard_wgrad: bool = True
     """FP4 recipes: apply the 16x16 random-sign Hadamard transform to both wgrad operands along tokens before quantizing (TE NVFP4BlockScaling's default)."""
     fp4_stochastic_rounding: bool = True

@@ -37,7 +37,8 @@ class KvCacheScales:
 
         self.probe = KvAmaxProbe(learner)
         self.tracker = KvScaleTracker(learner.config.num_layers, precision.kv_cache_scale_window,
-                                      precision.kv_cache_scale_headroom)
+                                      precision.kv_cache_scale_headroom,
+                                      power_of_two=precision.kv_cache_scale_rounding == "power_of_two")
 
     @contextmanager
     def measuring(self) -> Iterator[None]:
