@@ -151,6 +151,33 @@ def test_dose_report_groups_arms_by_k_and_calibration(tmp_path):
     assert (study.report_out / "dose.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_kv_report_compares_k3_kl_seed_by_seed_with_the_reference(tmp_path):
+    from megatron_rl.study.kv_report import write_kv_report
+
+    arms = [{"name": "bf16_kv", "overrides": {}},
+            {"name": "fp8_kv_unit", "overrides": {"precision.kv_cache_dtype": "fp8_e4m3", "precision.kv_cache_scales": "unit"}},
+            {"name": "fp8_kv_recal", "overrides": {"precision.kv_cache_dtype": "fp8_e4m3",
+                                                   "precision.kv_cache_scales": "recalibrate"}}]
+    study = load_study(_spec(tmp_path, arms=arms, reference_arm="bf16_kv"))
+    k3 = {"bf16_kv": (1e-3, 2e-3), "fp8_kv_unit": (5e-3, 4e-3), "fp8_kv_recal": (1.05e-3, 2.4e-3)}
+    for arm, values in k3.items():
+        for seed, v in zip((1, 2), values):
+            _fake_run(study, arm, seed, 1.0, dumps=False)
+            path = study.run_dir(arm, seed) / "metrics.jsonl"
+            rows = [json.loads(ln) for ln in path.read_text().splitlines()]
+            for r in rows:
+                r.update({"mismatch_k3_kl": v, "time/step": 2.0})
+                if arm == "fp8_kv_recal":
+                    r["time/kv_cache_reduce"] = 0.02
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_kv_report([study], tmp_path / "KV.md").read_text()
+    rows = {ln.split(" | ")[1]: ln.split(" | ") for ln in text.splitlines() if ln.startswith("| spec |")}
+    assert rows["bf16_kv"][-2:] == ["reference", " |"]
+    assert rows["fp8_kv_unit"][-2:] == ["3.5x [2, 5]", " |"]           # 5e-3 / 1e-3 and 4e-3 / 2e-3; no verdict (not recalibrated)
+    assert rows["fp8_kv_recal"][-2:] == ["1.12x [1.05, 1.2]", "misses |"]  # seed 2 is 1.2x: the target holds in no case
+    assert rows["fp8_kv_recal"][-3] == "0.01 [0.01, 0.01]" and rows["bf16_kv"][-3] == "n/a"
+
+
 def test_dose_report_refuses_two_arms_in_one_cell(tmp_path):
     from megatron_rl.study.dose import write_dose_report
 
