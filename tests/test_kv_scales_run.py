@@ -84,13 +84,15 @@ def test_rescaling_preserves_the_model(warm):
 def test_recalibrated_fp8_kv_beats_unit_scales_on_a_rescaled_warm_start(warm, tmp_path):
     """Recalibrated scales: the engine reports the synced per-layer scales; the k3 KL is far below unit scales' and as
     low as the FP8 cache's own on the unscaled warm start (E4M3's 3 mantissa bits, which no scale removes; the BF16
-    cache's is printed beside it); on the unscaled warm start recalibrating is no worse than unit scales."""
+    cache's is printed beside it); on the unscaled warm start recalibrating is no worse than unit scales (power-of-two scales: the same rounding)."""
     base, _ = warm
     plain = base / "sft" / "hf"
-    fp8 = ("precision.kv_cache_dtype=fp8_e4m3",)
+    # A frozen policy: Adam moves every element by about lr, which the 1000x smaller o_proj of the rescaled model does
+    # not survive (the same function, not the same model to train); frozen, both steps measure the warm start itself.
+    fp8 = ("precision.kv_cache_dtype=fp8_e4m3", "optim.lr=1e-30")
     k3 = {"recal": _k3(recal := _run(tmp_path, warm, "recal", *fp8, "precision.kv_cache_scales=recalibrate")),
           "unit": _k3(unit := _run(tmp_path, warm, "unit", *fp8, "precision.kv_cache_scales=unit")),
-          "bf16": _k3(_run(tmp_path, warm, "bf16")),
+          "bf16": _k3(_run(tmp_path, warm, "bf16", "optim.lr=1e-30")),
           "plain_recal": _k3(_run(tmp_path, warm, "plain_recal", *fp8, hf=plain)),
           "plain_unit": _k3(_run(tmp_path, warm, "plain_unit", *fp8, "precision.kv_cache_scales=unit", hf=plain))}
     print("k3 KL:", k3)
@@ -99,7 +101,9 @@ def test_recalibrated_fp8_kv_beats_unit_scales_on_a_rescaled_warm_start(warm, tm
     check_last_sync_is_served(tmp_path / "recal")
     assert k3["unit"] > 20 * k3["recal"], k3
     assert k3["recal"] < 1.5 * k3["plain_unit"] + 1e-4, k3
-    assert k3["plain_recal"] <= 1.25 * k3["plain_unit"] + 1e-4, k3
+    # power-of-two scales round every in-range value as 1.0 does (the exact rule's scales drew a 1.25x worse error
+    # than unit in the main job's 100-step runs: docs/RESULTS.md section 6)
+    assert k3["plain_recal"] <= 1.02 * k3["plain_unit"] + 1e-6, k3
 
 
 def test_resume_continues_the_scales_identically(warm, tmp_path):
