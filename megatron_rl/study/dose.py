@@ -41,13 +41,6 @@ def _variant_order(variant: str) -> tuple[int, str]:
     return ({"vanilla": 0, "calibrated": 1}.get(variant, 2), variant)
 
 
-def _cell(s: results.SeedStats) -> str:
-    f = s.finite
-    if not f:
-        return "n/a"
-    return f"{s.mean:.4g} [{min(f):.4g}, {max(f):.4g}]"
-
-
 def dose_table(study) -> tuple[str, dict]:
     """(markdown, {metric: {(k, variant): SeedStats}} plus the reference arm's stats under key None); StudyError when
     two arms give the same (k, variant), which one table cell cannot show."""
@@ -80,7 +73,7 @@ def dose_table(study) -> tuple[str, dict]:
              "(algo.experimental.clip_error_scale, experiment only).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for m in dose:
-        row = [m] + ([_cell(dose[m][None])] if ref_name else []) + [_cell(dose[m][key]) for key in keys]
+        row = [m] + ([dose[m][None].span()] if ref_name else []) + [dose[m][key].span() for key in keys]
         lines.append("| " + " | ".join(row) + " |")
     seeds = {name: sum(r.status == "done" for r in records if r.arm == name) for name in names}
     lines += ["", "Finished seeds per arm: " + ", ".join(f"`{n}` {c}" for n, c in seeds.items()) + ".", ""]

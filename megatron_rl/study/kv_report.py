@@ -23,12 +23,12 @@ COLUMNS = ("train-vs-rollout |dlogp|", "train-vs-rollout k3 KL", "token_mult_pro
 """METRICS labels shown per arm, in order."""
 
 
-def _cell(s: results.SeedStats, percent: bool = False) -> str:
-    f = s.finite
-    if not f:
-        return "n/a"
-    fmt = (lambda v: f"{100 * v:.1f}%") if percent else (lambda v: f"{v:.3g}")  # noqa: E731
-    return f"{fmt(s.mean)} [{fmt(min(f))}, {fmt(max(f))}]"
+def _percent(v: float) -> str:
+    return f"{100 * v:.1f}%"
+
+
+def _three_digits(v: float) -> str:
+    return f"{v:.3g}"
 
 
 def _k3_by_seed(records: Sequence[results.RunRecord], arm: str) -> dict[int, float]:
@@ -51,7 +51,7 @@ def kv_rows(study) -> list[list[str]]:
         verdict = ""
         if arm.overrides.get("precision.kv_cache_scales") == "recalibrate" and ratios:
             verdict = "holds" if max(ratios) <= K3_TARGET else "misses"
-        cells = [_cell(stats[arm.name][c], percent=c.startswith("held-out")) for c in COLUMNS]
+        cells = [stats[arm.name][c].span(_percent if c.startswith("held-out") else _three_digits) for c in COLUMNS]
         rows.append([study.spec_path.stem, arm.name, str(len(mine)), *cells, ratio, verdict])
     return rows
 

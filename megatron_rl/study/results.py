@@ -13,7 +13,7 @@ import pickle
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.config.yaml_io import load_yaml_file
 from megatron_rl.study.hp_measure import flat_values, read_measurements
@@ -156,6 +156,11 @@ class SeedStats:
         """Sample standard deviation over seeds (0 for one seed, nan for none)."""
         f = self.finite
         return statistics.stdev(f) if len(f) > 1 else (0.0 if f else math.nan)
+
+    def span(self, fmt: Callable[[float], str] = lambda v: f"{v:.4g}") -> str:
+        """'mean [min, max]' of the finite values, each through `fmt` (n/a without values)."""
+        f = self.finite
+        return f"{fmt(self.mean)} [{fmt(min(f))}, {fmt(max(f))}]" if f else "n/a"
 
     def cell(self) -> str:
         """'mean ± std [min, max]' (n/a without values)."""
