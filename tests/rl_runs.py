@@ -66,7 +66,8 @@ def tiny_overrides(warm: Path, *extra: str) -> list[str]:
         f"data.tokenizer_dir={warm / 'data' / 'tokenizer'}",
         "data.num_train_prompts=200", "data.num_eval_prompts=8", "train.eval_max_prompts=8",
         "train.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "train.micro_batch_size=4",
-        "algo.calibration.calibrate_every=1", "tracking.progress_bar=false", *extra,
+        # no plots: drawing them costs a few CPU-seconds a run; tests/test_loop.py draws them from a real run
+        "algo.calibration.calibrate_every=1", "tracking.progress_bar=false", "tracking.plots=false", *extra,
     ]
 
 

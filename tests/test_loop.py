@@ -43,7 +43,7 @@ def _finite(row: dict, key: str) -> bool:
 @pytest.mark.slow
 def test_two_step_fp8_calibrated_run(warm, tmp_path):
     run_dir = tmp_path / "run"
-    rows = train(run_dir, tiny_overrides(warm, "train.steps=2", "tracking.dump_ratios=true"))
+    rows = train(run_dir, tiny_overrides(warm, "train.steps=2", "tracking.dump_ratios=true", "tracking.plots=true"))
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         for key in ALWAYS + NEEDS_NEG + NEEDS_BOTH_SIGNS + SHADOW_BY_SIGN:
@@ -83,7 +83,7 @@ def test_two_step_fp8_calibrated_run(warm, tmp_path):
     assert f"plots: {run_dir / 'plots'}/{{" in summary
     # the same command again: one line saying the run is complete, nothing started, the summary left as it was
     before = (run_dir / "summary.txt").stat()
-    proc, _ = _cli(["train", str(CONFIG), f"run_dir={run_dir}", *tiny_overrides(warm, "train.steps=2")])
+    proc, _ = _cli(["train", str(CONFIG), f"run_dir={run_dir}", *tiny_overrides(warm, "train.steps=2", "tracking.plots=true")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith(f"run already complete: {run_dir} finished its 2 steps"), proc.stdout
     assert len(proc.stdout.splitlines()) == 1 and "Warning" not in proc.stderr

@@ -6,11 +6,18 @@ Run (normally through tests/conftest.py:run_distributed):
 Without --init it initialises from its own seed and saves the initial full state dict to
 OUT_DIR/init.pt (the world-1 reference does this). Every rank saves OUT_DIR/rank{R}.pt with its
 DP rows' log-probs/entropy, the step metrics, and (rank 0) the final full state dict.
+
+    ... learner_worker.py --cases CASES.json
+runs several cases (a JSON list of argument lists, each with its own --out) one after another in the same
+processes: megatron's groups are rebuilt for each layout on the same world, so a test module pays the
+interpreter, torch and megatron start-up of its ranks once, not once per layout.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -67,8 +74,8 @@ def loss_fn(lp, ent, mb, ctx):
     return loss, {"tokens": mb.loss_mask.sum(), "weight": w.sum(), "entropy_sum": (w * ent).sum().detach()}
 
 
-def main() -> None:
-    """Parse the layout, run forward + 2 train steps, save results."""
+def parser() -> argparse.ArgumentParser:
+    """The arguments of one case."""
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -85,7 +92,11 @@ def main() -> None:
                    help="undo the pinned batch_p2p_comm=False (shows the VPP-on-gloo corruption it prevents)")
     p.add_argument("--init", default=None)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    return p
+
+
+def run_case(a: argparse.Namespace) -> dict:
+    """Run forward + 2 train steps under the layout of `a`, save this rank's results to a.out; the rank's report."""
     pcfg = ParallelConfig(
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
         virtual_pipeline_model_parallel_size=a.vpp, context_parallel_size=a.cp, sequence_parallel=a.sp,
@@ -121,7 +132,16 @@ def main() -> None:
     torch.save({"rows": (rows.start, rows.stop), "logprobs": lp, "entropy": ent, "logprobs_after": lp_after,
                 "steps": steps, "final": final, "greedy_hits": greedy_hits, "greedy_want": greedy_want,
                 "expected_shapes": learner.expected_full_shapes()}, out / f"rank{rank}.pt")
-    report({"rank": rank, "dp_rank": r, "steps": steps})
+    return {"rank": rank, "dp_rank": r, "steps": steps}
+
+
+def main() -> None:
+    """One case from the command line, or every case of --cases FILE in turn (one report: the list of theirs)."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--cases":
+        cases = json.loads(Path(sys.argv[2]).read_text())
+        report([run_case(parser().parse_args(args)) for args in cases])
+    else:
+        report(run_case(parser().parse_args()))
     state.destroy_distributed()
 
 

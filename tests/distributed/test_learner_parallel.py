@@ -3,10 +3,13 @@
 Each case loads the reference's initial full state dict, feeds the same global batch (split over
 DP ranks, micro-batch size 1) and must reproduce the reference's log-probs, entropy, loss,
 metrics, grad norm, and weights after two optimizer steps.
+The cases of one world size run in one launch (learner_worker.py --cases): the references, every
+2-process layout, the 4-process ones; a test reads its own case's results.
 Run: pytest -q -m distributed tests/distributed/test_learner_parallel.py
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,32 +31,90 @@ FP8_WEIGHT_TOL = 1e-3
 """Final weights after an FP8-emulated step: two Adam steps of lr 5e-4 on a gradient whose sign a flipped quantum changed."""
 
 
+# Model variants of the references (world-1 runs, one micro-batch of the whole global batch).
+DEFAULT, TIED = (), ("--tied",)
+FP8_VARIANTS = {recipe: ("--recipe", recipe, "--hp-ends", "1") for recipe in ("blockwise", "nvfp4")}
+
+
+def run_cases(nproc: int, cases: dict[str, list[str]], root: Path, timeout: float) -> dict[str, Path]:
+    """Run every case (name -> worker arguments) in one `nproc`-process launch (learner_worker.py --cases); returns
+    name -> output directory. A failing launch leaves the cases before the failure their outputs: each test reads
+    its own and fails with the launch's error only when its output is missing."""
+    outs = {name: root / name for name in cases}
+    for out in outs.values():
+        out.mkdir(parents=True, exist_ok=True)
+    spec = root / "cases.json"
+    spec.write_text(json.dumps([[*args, "--out", str(outs[name])] for name, args in cases.items()]))
+    try:
+        run_distributed(WORKER, nproc, ["--cases", str(spec)], timeout=timeout)
+    except AssertionError as exc:
+        (root / "launch_error.txt").write_text(str(exc))
+    return outs
+
+
+def case_results(out: Path, nproc: int) -> list[dict]:
+    """The per-rank results of one case, or a failure carrying the launch's error."""
+    files = [out / f"rank{r}.pt" for r in range(nproc)]
+    if not all(f.exists() for f in files):
+        error = out.parent / "launch_error.txt"
+        pytest.fail(f"no results for {out.name}: " + (error.read_text() if error.exists() else "the launch wrote none"))
+    return [torch.load(f) for f in files]
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """World-1 runs with one micro-batch of the whole global batch, per model variant (built on demand)."""
-    cache: dict[tuple[str, ...], tuple[Path, dict]] = {}
-
-    def get(*model_args: str):
-        if model_args not in cache:
-            out = tmp_path_factory.mktemp("ref")
-            run_distributed(WORKER, 1, ["--mbs", "8", "--chunk", "1024", "--out", str(out), *model_args], timeout=300)
-            cache[model_args] = (out, torch.load(out / "rank0.pt"))
-        return cache[model_args]
-
-    return get
+def references(tmp_path_factory) -> dict[tuple[str, ...], tuple[Path, dict]]:
+    """model variant -> (directory holding init.pt, rank-0 result) of its world-1 reference, all in one launch."""
+    variants = [DEFAULT, TIED, *FP8_VARIANTS.values()]
+    names = {v: "ref_" + ("_".join(a.strip("-") for a in v) or "default") for v in variants}
+    outs = run_cases(1, {names[v]: ["--mbs", "8", "--chunk", "1024", *v] for v in variants},
+                     tmp_path_factory.mktemp("refs"), timeout=300)
+    return {v: (outs[names[v]], case_results(outs[names[v]], 1)[0]) for v in variants}
 
 
 @pytest.fixture(scope="module")
 def reference(references):
     """The reference of the default model (untied, high precision)."""
-    return references()
+    return references[DEFAULT]
 
 
-def _run_case(reference, tmp_path, nproc, args):
-    """Run the worker under a layout; return (per-rank results, reference result)."""
-    ref_dir, ref = reference
-    run_distributed(WORKER, nproc, [*args, "--init", str(ref_dir / "init.pt"), "--out", str(tmp_path)], timeout=300)
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(nproc)], ref
+CASES = {
+    "dp2": (2, []),
+    "tp2": (2, ["--tp", "2"]),
+    "pp2": (2, ["--pp", "2"]),
+    "tp2_sp": (2, ["--tp", "2", "--sp"]),
+    "cp2": (2, ["--cp", "2"]),
+    "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]),
+    "dp2_distopt_mbs2": (2, ["--distopt", "--mbs", "2"]),
+}
+TIED_CASES = {"pp2_tied": ["--pp", "2", "--tied"], "tp2_tied": ["--tp", "2", "--tied"]}
+# One micro-batch as in the reference: FP8 wgrad quantization groups run over tokens.
+FP8_CASES = {f"pp2_{recipe}": ["--pp", "2", "--mbs", "8", *args] for recipe, args in FP8_VARIANTS.items()}
+UNSAFE_VPP = ["--pp", "2", "--vpp", "2", "--unsafe-batch-p2p"]
+# DP with SP is covered by tp2_sp and dp2 apart and by tp2_cp2_sp (SP with gradients reduced over the DP x CP group); the
+# 4-process tp2_dp2_sp run was dropped to keep CI under 15 minutes on 2 cores.
+WORLD4_CASES = {"tp2_pp2": ["--tp", "2", "--pp", "2"], "tp2_cp2_sp": ["--tp", "2", "--cp", "2", "--sp"]}
+
+
+def _init(references, variant=DEFAULT) -> list[str]:
+    return ["--init", str(references[variant][0] / "init.pt")]
+
+
+@pytest.fixture(scope="module")
+def world2(references, tmp_path_factory) -> dict[str, Path]:
+    """Every 2-process case of this module, in one launch (the unsafe VPP control last)."""
+    cases = {name: [*args, *_init(references)] for name, (_, args) in CASES.items()}
+    cases.update({name: [*args, *_init(references, TIED)] for name, args in TIED_CASES.items()})
+    cases.update({f"pp2_{recipe}": [*FP8_CASES[f"pp2_{recipe}"], *_init(references, variant)]
+                  for recipe, variant in FP8_VARIANTS.items()})
+    cases["pp2_vpp2_unsafe_p2p"] = [*UNSAFE_VPP, *_init(references)]
+    return run_cases(2, cases, tmp_path_factory.mktemp("world2"), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4(references, tmp_path_factory) -> dict[str, Path]:
+    """The 4-process cases, in one launch."""
+    return run_cases(4, {name: [*args, *_init(references)] for name, args in WORLD4_CASES.items()},
+                     tmp_path_factory.mktemp("world4"), timeout=600)
 
 
 def _assert_matches(results, ref, after_tol: float = TOL, metric_tol: float = TOL, weight_tol: float = WEIGHT_TOL):
@@ -89,59 +150,42 @@ def test_reference_is_sane(reference):
     assert 1e-5 < moved < 1e-1
 
 
-CASES = {
-    "dp2": (2, []),
-    "tp2": (2, ["--tp", "2"]),
-    "pp2": (2, ["--pp", "2"]),
-    "tp2_sp": (2, ["--tp", "2", "--sp"]),
-    "cp2": (2, ["--cp", "2"]),
-    "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]),
-    "dp2_distopt_mbs2": (2, ["--distopt", "--mbs", "2"]),
-}
-
-
 @pytest.mark.parametrize("case", list(CASES))
-def test_layout_matches_single_process(case, reference, tmp_path):
+def test_layout_matches_single_process(case, reference, world2):
     """Each 2-process layout reproduces the single-process run."""
-    nproc, args = CASES[case]
-    results, ref = _run_case(reference, tmp_path, nproc, args)
-    _assert_matches(results, ref)
+    _assert_matches(case_results(world2[case], 2), reference[1])
 
 
-def test_vpp_on_gloo_needs_the_pinned_p2p_setting(reference, tmp_path):
+def test_vpp_on_gloo_needs_the_pinned_p2p_setting(reference, world2):
     """Undoing the pinned batch_p2p_comm=False under PP2+VPP2 on gloo silently corrupts training.
 
     Forward-only log-probs still agree, but the training losses drift from the single-process run;
     test_layout_matches_single_process[pp2_vpp2] shows the pinned setting reproduces it exactly.
     """
-    results, ref = _run_case(reference, tmp_path, 2, ["--pp", "2", "--vpp", "2", "--unsafe-batch-p2p"])
+    results, ref = case_results(world2["pp2_vpp2_unsafe_p2p"], 2), reference[1]
     torch.testing.assert_close(results[0]["logprobs"], ref["logprobs"], atol=TOL, rtol=0)
     drift = max(abs(s["loss"] - r["loss"]) for s, r in zip(results[0]["steps"], ref["steps"]))
     assert drift > 100 * TOL, f"batched p2p under VPP matched the reference (drift {drift}); the pin may be unnecessary now"
 
 
-@pytest.mark.parametrize("case,args", [("pp2_tied", ["--pp", "2", "--tied"]), ("tp2_tied", ["--tp", "2", "--tied"])])
-def test_tied_embeddings(case, args, references, tmp_path):
+@pytest.mark.parametrize("case", list(TIED_CASES))
+def test_tied_embeddings(case, references, world2):
     """Tied output layer (qwen3-0.6b style): the last stage's copy stays in sync and exports once."""
-    ref_dir, ref = references("--tied")
+    ref = references[TIED][1]
     assert "output_layer.weight" not in ref["final"]
-    results, _ = _run_case((ref_dir, ref), tmp_path, 2, args)
-    _assert_matches(results, ref)
+    _assert_matches(case_results(world2[case], 2), ref)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "nvfp4"])
-def test_fp8_emulation_layer_selection_under_pp(recipe, references, tmp_path):
+@pytest.mark.parametrize("recipe", list(FP8_VARIANTS))
+def test_fp8_emulation_layer_selection_under_pp(recipe, references, world2):
     """Per-layer FP8/FP4 choice uses global layer indices: PP=2 with high-precision ends equals one process.
 
     (Only PP is compared under FP8: TP changes the activation quantization groups by design. Under
     nvfp4 this also shows the stochastic-rounding streams are named by global layer, not by stage.)
     """
-    model_args = ("--recipe", recipe, "--hp-ends", "1")
-    ref_dir, ref = references(*model_args)
-    _, plain = references()
+    ref, plain = references[FP8_VARIANTS[recipe]][1], references[DEFAULT][1]
     assert (ref["logprobs"] - plain["logprobs"]).abs().max() > 1e-4  # FP8 emulation is really on
-    # One micro-batch as in the reference: FP8 wgrad quantization groups run over tokens.
-    results, _ = _run_case((ref_dir, ref), tmp_path, 2, ["--pp", "2", "--mbs", "8", *model_args])
+    results = case_results(world2[f"pp2_{recipe}"], 2)
     # The forward (logprobs, entropy) is what the layer selection decides, compared at TOL. In the backward and
     # after the update a last-bit difference between the layouts can move a value across an FP8 rounding boundary:
     # one quantum (grad norm 1.5e-5 relative, log-probs after the update ~3e-4, seen under ATen's plain kernels
@@ -150,14 +194,8 @@ def test_fp8_emulation_layer_selection_under_pp(recipe, references, tmp_path):
     _assert_matches(results, ref, after_tol=FP8_AFTER_TOL, metric_tol=FP8_METRIC_TOL, weight_tol=FP8_WEIGHT_TOL)
 
 
-# DP with SP is covered by tp2_sp and dp2 apart and by tp2_cp2_sp (SP with gradients reduced over the DP x CP group); the
-# 4-process tp2_dp2_sp run was dropped to keep CI under 15 minutes on 2 cores.
 @pytest.mark.slow
-@pytest.mark.parametrize("case,args", [
-    ("tp2_pp2", ["--tp", "2", "--pp", "2"]),
-    ("tp2_cp2_sp", ["--tp", "2", "--cp", "2", "--sp"]),
-])
-def test_world4_layouts(case, args, reference, tmp_path):
+@pytest.mark.parametrize("case", list(WORLD4_CASES))
+def test_world4_layouts(case, reference, world4):
     """Combined layouts on 4 processes reproduce the single-process run."""
-    results, ref = _run_case(reference, tmp_path, 4, args)
-    _assert_matches(results, ref)
+    _assert_matches(case_results(world4[case], 4), reference[1])
