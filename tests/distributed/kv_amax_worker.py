@@ -5,7 +5,7 @@ Run (normally through tests/conftest.py:run_distributed):
     python -m torch.distributed.run --standalone --nproc-per-node=2 tests/distributed/kv_amax_worker.py \
         --tp 2 --init INIT.pt --out OUT_DIR
 Without --init it saves its initial full state dict to OUT_DIR/init.pt (the world-1 reference does this). Every rank
-reports the all-reduced [L, 2] amax.
+reports the all-reduced [L, 2] amax. `--cases FILE` runs several layouts in one launch (dist_report.report_cases).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 
-from dist_report import report  # noqa: E402
+from dist_report import report_cases  # noqa: E402
 from learner_worker import LAYERS, VOCAB, global_batch  # noqa: E402
 
 from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
@@ -29,8 +29,8 @@ from megatron_rl.trainer.kv_scales import KvAmaxProbe  # noqa: E402
 from megatron_rl.trainer.learner import Learner  # noqa: E402
 
 
-def main() -> None:
-    """Parse the layout, record one forward of the global batch, report the reduced amax."""
+def parser() -> argparse.ArgumentParser:
+    """The arguments of one case."""
     p = argparse.ArgumentParser()
     for flag in ("--tp", "--pp", "--cp"):
         p.add_argument(flag, type=int, default=1)
@@ -38,7 +38,11 @@ def main() -> None:
     p.add_argument("--mbs", type=int, default=1)
     p.add_argument("--init", default=None)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    return p
+
+
+def run_case(a: argparse.Namespace) -> dict:
+    """Record one forward of the global batch under the layout of `a`; this rank's report (the reduced amax)."""
     pcfg = ParallelConfig(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
                           context_parallel_size=a.cp, sequence_parallel=a.sp)
     state.init_distributed(pcfg, seed=11)
@@ -53,7 +57,12 @@ def main() -> None:
     probe = KvAmaxProbe(learner)
     with probe.recording():
         _global_forward(learner, global_batch(), a.mbs)
-    report({"rank": state.global_rank(), "amax": probe.result().tolist()})
+    return {"rank": state.global_rank(), "amax": probe.result().tolist()}
+
+
+def main() -> None:
+    """One case, or every case of --cases FILE in these processes (megatron's groups rebuilt per layout)."""
+    report_cases(parser, run_case)
     state.destroy_distributed()
 
 

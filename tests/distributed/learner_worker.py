@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 
-from dist_report import report  # noqa: E402
+from dist_report import report_cases  # noqa: E402
 
 from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from megatron_rl.config.precision import PrecisionConfig  # noqa: E402
@@ -137,11 +135,7 @@ def run_case(a: argparse.Namespace) -> dict:
 
 def main() -> None:
     """One case from the command line, or every case of --cases FILE in turn (one report: the list of theirs)."""
-    if len(sys.argv) == 3 and sys.argv[1] == "--cases":
-        cases = json.loads(Path(sys.argv[2]).read_text())
-        report([run_case(parser().parse_args(args)) for args in cases])
-    else:
-        report(run_case(parser().parse_args()))
+    report_cases(parser, run_case)
     state.destroy_distributed()
 
 

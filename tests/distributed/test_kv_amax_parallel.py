@@ -6,6 +6,7 @@ Run: pytest -q -m distributed tests/distributed/test_kv_amax_parallel.py
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from conftest import run_distributed
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # about a minute per layout on two cores
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one launch of every layout, a minute or two on two cores
 WORKER = Path(__file__).with_name("kv_amax_worker.py")
 
 
@@ -27,10 +28,22 @@ def reference(tmp_path_factory):
     return out, amax
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], [], ["--cp", "2"], ["--pp", "2"]], ids=["tp2", "dp2", "cp2", "pp2"])
-def test_probe_under_a_layout_matches_one_process(reference, tmp_path, layout):
-    ref_dir, want = reference
-    results = run_distributed(WORKER, 2, [*layout, "--init", str(ref_dir / "init.pt"), "--out", str(tmp_path)],
-                              timeout=300)
-    for res in results:  # every rank holds every layer's amax
+LAYOUTS = {"tp2": ["--tp", "2"], "dp2": [], "cp2": ["--cp", "2"], "pp2": ["--pp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def two_process(reference, tmp_path_factory):
+    """Every layout's per-rank reports, from one 2-process launch (the worker rebuilds megatron's groups per case)."""
+    ref_dir, _ = reference
+    root = tmp_path_factory.mktemp("world2")
+    spec = root / "cases.json"
+    spec.write_text(json.dumps([[*args, "--init", str(ref_dir / "init.pt"), "--out", str(root)] for args in LAYOUTS.values()]))
+    results = run_distributed(WORKER, 2, ["--cases", str(spec)], timeout=400)
+    return {name: [rank[i] for rank in results] for i, name in enumerate(LAYOUTS)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_probe_under_a_layout_matches_one_process(reference, two_process, layout):
+    _, want = reference
+    for res in two_process[layout]:  # every rank holds every layer's amax
         torch.testing.assert_close(torch.tensor(res["amax"]), want, rtol=1e-5, atol=1e-6)
