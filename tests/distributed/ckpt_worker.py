@@ -23,7 +23,7 @@ import torch
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 
-from dist_report import report  # noqa: E402
+from dist_report import report_cases  # noqa: E402
 
 from megatron_rl.config.model import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from megatron_rl.config.precision import PrecisionConfig  # noqa: E402
@@ -60,8 +60,8 @@ def train_rows(batch: TrainBatch) -> TrainBatch:
     return batch.select(slice(r * B // dp, (r + 1) * B // dp))
 
 
-def main() -> None:
-    """Parse the layout and mode, run it, write the results."""
+def parser() -> argparse.ArgumentParser:
+    """The arguments of one case."""
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["save", "load"], required=True)
     p.add_argument("--tp", type=int, default=1)
@@ -74,7 +74,12 @@ def main() -> None:
     p.add_argument("--weights-only", action="store_true", help="load without optimizer state")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    return p
+
+
+def run_case(a: argparse.Namespace) -> dict:
+    """Save or load under the layout of `a`, write rank 0's results to a.out; this rank's report."""
+    print(f"case: {vars(a)}", flush=True)  # a failing launch of several cases says which one it was in
     pcfg = ParallelConfig(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
                           virtual_pipeline_model_parallel_size=a.vpp, context_parallel_size=a.cp,
                           sequence_parallel=a.sp, use_distributed_optimizer=a.distopt)
@@ -102,8 +107,12 @@ def main() -> None:
     result["full_after"] = learner.gather_full_state_dict()
     if state.global_rank() == 0:
         torch.save(result, Path(a.out) / "result.pt")
-    report({"rank": state.global_rank(), "rl_state": rl_state, "step2": result["step2"],
-            "step_count": learner.step_count})
+    return {"rank": state.global_rank(), "rl_state": rl_state, "step2": result["step2"], "step_count": learner.step_count}
+
+
+def main() -> None:
+    """One case, or every case of --cases FILE in these processes (megatron's groups rebuilt per layout)."""
+    report_cases(parser, run_case)
     state.destroy_distributed()
 
 

@@ -4,11 +4,13 @@ Reference: the saving run itself. After saving it records the eval batch's log-p
 takes a second optimizer step on a new batch and records metrics, log-probs and full weights.
 The loading run (other seed, other layout) must reproduce all of them: log-probs to 2e-6
 (model resharded), and the second step to 1e-5 (optimizer state and LR schedule resharded; the
-weights-only control shows that step differs without the Adam moments).
+weights-only control shows that step differs without the Adam moments). The selected tests' saves run first,
+then their loads, each in one launch per world size (ckpt_worker.py --cases).
 Run: pytest -q -m distributed tests/distributed/test_checkpoint_reshard.py   (add -m slow for world 4)
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -37,28 +39,53 @@ LAYOUTS = {
 }
 
 
+WEIGHTS_ONLY = ("--weights-only",)
+
+
+def _launch(mode: str, cases: list[tuple[str, Path, Path, tuple[str, ...]]]) -> dict[Path, tuple[dict, list]]:
+    """Run (layout, ckpt root, out dir, extra flags) cases of one mode, one launch per world size; out dir ->
+    (rank-0 result, per-rank reports)."""
+    done: dict[Path, tuple[dict, list]] = {}
+    for nproc in sorted({LAYOUTS[layout][0] for layout, *_ in cases}):
+        mine = [c for c in cases if LAYOUTS[c[0]][0] == nproc]
+        spec = mine[0][2].parent / f"{mode}_world{nproc}_cases.json"
+        spec.write_text(json.dumps([["--mode", mode, *LAYOUTS[layout][1], *extra, "--ckpt", str(ckpt), "--out", str(out)]
+                                    for layout, ckpt, out, extra in mine]))
+        reports = run_distributed(WORKER, nproc, ["--cases", str(spec)], timeout=600)
+        for i, (_, _, out, _) in enumerate(mine):
+            done[out] = (torch.load(out / "result.pt", weights_only=False), [rank[i] for rank in reports])
+    return done
+
+
+def _selected(request) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(src, dst, extra load flags) of this module's selected tests (markers and -k applied)."""
+    wanted = []
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        if item.originalname == "test_load_under_other_layout":
+            wanted.append((item.callspec.params["src"], item.callspec.params["dst"], ()))
+        elif item.originalname == "test_weights_only_load_is_a_real_control":
+            wanted.append(("tp1", "tp2", WEIGHTS_ONLY))
+    return wanted
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Save runs, one per layout, made on first use and shared by the tests of this module."""
-    cache: dict[str, tuple[Path, dict, list]] = {}
-
-    def get(layout: str) -> tuple[Path, dict, list]:
-        """(checkpoint root, rank-0 result, per-rank reports) of the save run under `layout`."""
-        if layout not in cache:
-            out = tmp_path_factory.mktemp(f"save_{layout}")
-            nproc, flags = LAYOUTS[layout]
-            reports = run_distributed(WORKER, nproc, ["--mode", "save", *flags, "--ckpt", str(out / "ckpt"), "--out", str(out)], timeout=400)
-            cache[layout] = (out / "ckpt", torch.load(out / "result.pt", weights_only=False), reports)
-        return cache[layout]
-
-    return get
-
-
-def load_run(ckpt_root: Path, layout: str, tmp_path: Path, extra: tuple[str, ...] = ()) -> tuple[dict, list]:
-    """Load `ckpt_root` under `layout`; returns (rank-0 result, per-rank reports)."""
-    nproc, flags = LAYOUTS[layout]
-    reports = run_distributed(WORKER, nproc, ["--mode", "load", *flags, *extra, "--ckpt", str(ckpt_root), "--out", str(tmp_path)], timeout=400)
-    return torch.load(tmp_path / "result.pt", weights_only=False), reports
+def runs(request, tmp_path_factory):
+    """(src, dst, extra) -> (save result, load result, load reports) of every selected test: all saves first, one
+    launch per world size, then all loads the same way (the worker rebuilds megatron's groups for each case)."""
+    root = tmp_path_factory.mktemp("reshard")
+    wanted = _selected(request)
+    saves = {src: root / f"save_{src}" for src in dict.fromkeys(src for src, _, _ in wanted)}
+    for out in saves.values():
+        out.mkdir()
+    saved = _launch("save", [(src, out / "ckpt", out, ()) for src, out in saves.items()])
+    loads = {}
+    for src, dst, extra in wanted:
+        loads[(src, dst, extra)] = out = root / f"load_{src}_to_{dst}{'_weights_only' if extra else ''}"
+        out.mkdir()
+    loaded = _launch("load", [(dst, saves[src] / "ckpt", out, extra) for (src, dst, extra), out in loads.items()])
+    return {key: (saved[saves[key[0]]][0], *loaded[out]) for key, out in loads.items()}
 
 
 def assert_resumed(ref: dict, got: dict, reports: list, exact: bool = False) -> None:
@@ -97,17 +124,15 @@ CASES = [
 
 
 @pytest.mark.parametrize("src,dst", CASES)
-def test_load_under_other_layout(src, dst, saved, tmp_path):
+def test_load_under_other_layout(src, dst, runs):
     """Save under `src`, load under `dst`: same model, same optimizer trajectory, same rl_state (bitwise if src == dst)."""
-    root, ref, _ = saved(src)
-    got, reports = load_run(root, dst, tmp_path)
+    ref, got, reports = runs[(src, dst, ())]
     assert_resumed(ref, got, reports, exact=src == dst)
 
 
 @pytest.mark.slow
-def test_weights_only_load_is_a_real_control(saved, tmp_path):
+def test_weights_only_load_is_a_real_control(runs):
     """Without the optimizer state the weights still match but the next step does not (the comparison can fail)."""
-    root, ref, _ = saved("tp1")
-    got, _ = load_run(root, "tp2", tmp_path, extra=("--weights-only",))
+    ref, got, _ = runs[("tp1", "tp2", WEIGHTS_ONLY)]
     torch.testing.assert_close(got["logprobs"], ref["logprobs"], atol=LP_TOL, rtol=0)
     assert (got["logprobs_after"] - ref["logprobs_after"]).abs().max() > 100 * STEP_TOL
