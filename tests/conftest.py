@@ -83,6 +83,15 @@ def run_distributed(
         return results
 
 
+def run_distributed_cases(script_path: str | os.PathLike, nproc: int, cases: Sequence[Sequence[str]], spec: Path,
+                          timeout: float = 600.0) -> list[list[Any]]:
+    """Run every case (a worker argument list) in one `nproc`-process launch of a worker whose main is
+    dist_report.report_cases (the case list goes to `spec` as JSON); returns each case's per-rank reports."""
+    spec.write_text(json.dumps([list(map(str, args)) for args in cases]))
+    reports = run_distributed(script_path, nproc, ["--cases", str(spec)], timeout=timeout)
+    return [[rank[i] for rank in reports] for i in range(len(cases))]
+
+
 @pytest.fixture
 def distributed_runner():
     """The `run_distributed` function, as a fixture."""

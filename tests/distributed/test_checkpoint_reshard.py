@@ -10,13 +10,12 @@ Run: pytest -q -m distributed tests/distributed/test_checkpoint_reshard.py   (ad
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_distributed
+from conftest import run_distributed_cases
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("ckpt_worker.py")
@@ -48,12 +47,11 @@ def _launch(mode: str, cases: list[tuple[str, Path, Path, tuple[str, ...]]]) -> 
     done: dict[Path, tuple[dict, list]] = {}
     for nproc in sorted({LAYOUTS[layout][0] for layout, *_ in cases}):
         mine = [c for c in cases if LAYOUTS[c[0]][0] == nproc]
-        spec = mine[0][2].parent / f"{mode}_world{nproc}_cases.json"
-        spec.write_text(json.dumps([["--mode", mode, *LAYOUTS[layout][1], *extra, "--ckpt", str(ckpt), "--out", str(out)]
-                                    for layout, ckpt, out, extra in mine]))
-        reports = run_distributed(WORKER, nproc, ["--cases", str(spec)], timeout=600)
-        for i, (_, _, out, _) in enumerate(mine):
-            done[out] = (torch.load(out / "result.pt", weights_only=False), [rank[i] for rank in reports])
+        reports = run_distributed_cases(
+            WORKER, nproc, [["--mode", mode, *LAYOUTS[layout][1], *extra, "--ckpt", ckpt, "--out", out]
+                            for layout, ckpt, out, extra in mine], mine[0][2].parent / f"{mode}_world{nproc}_cases.json")
+        for (_, _, out, _), case_reports in zip(mine, reports):
+            done[out] = (torch.load(out / "result.pt", weights_only=False), case_reports)
     return done
 
 

@@ -6,13 +6,12 @@ Run: pytest -q -m distributed tests/distributed/test_kv_amax_parallel.py
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_distributed
+from conftest import run_distributed, run_distributed_cases
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one launch of every layout, a minute or two on two cores
 WORKER = Path(__file__).with_name("kv_amax_worker.py")
@@ -36,10 +35,8 @@ def two_process(reference, tmp_path_factory):
     """Every layout's per-rank reports, from one 2-process launch (the worker rebuilds megatron's groups per case)."""
     ref_dir, _ = reference
     root = tmp_path_factory.mktemp("world2")
-    spec = root / "cases.json"
-    spec.write_text(json.dumps([[*args, "--init", str(ref_dir / "init.pt"), "--out", str(root)] for args in LAYOUTS.values()]))
-    results = run_distributed(WORKER, 2, ["--cases", str(spec)], timeout=400)
-    return {name: [rank[i] for rank in results] for i, name in enumerate(LAYOUTS)}
+    cases = [[*args, "--init", str(ref_dir / "init.pt"), "--out", str(root)] for args in LAYOUTS.values()]
+    return dict(zip(LAYOUTS, run_distributed_cases(WORKER, 2, cases, root / "cases.json", timeout=400)))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

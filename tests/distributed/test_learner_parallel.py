@@ -9,13 +9,12 @@ Run: pytest -q -m distributed tests/distributed/test_learner_parallel.py
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_distributed
+from conftest import run_distributed_cases
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("learner_worker.py")
@@ -36,17 +35,16 @@ DEFAULT, TIED = (), ("--tied",)
 FP8_VARIANTS = {recipe: ("--recipe", recipe, "--hp-ends", "1") for recipe in ("blockwise", "nvfp4")}
 
 
-def run_cases(nproc: int, cases: dict[str, list[str]], root: Path, timeout: float) -> dict[str, Path]:
+def launch_cases(nproc: int, cases: dict[str, list[str]], root: Path, timeout: float) -> dict[str, Path]:
     """Run every case (name -> worker arguments) in one `nproc`-process launch (learner_worker.py --cases); returns
     name -> output directory. A failing launch leaves the cases before the failure their outputs: each test reads
     its own and fails with the launch's error only when its output is missing."""
     outs = {name: root / name for name in cases}
     for out in outs.values():
         out.mkdir(parents=True, exist_ok=True)
-    spec = root / "cases.json"
-    spec.write_text(json.dumps([[*args, "--out", str(outs[name])] for name, args in cases.items()]))
     try:
-        run_distributed(WORKER, nproc, ["--cases", str(spec)], timeout=timeout)
+        run_distributed_cases(WORKER, nproc, [[*args, "--out", outs[name]] for name, args in cases.items()],
+                              root / "cases.json", timeout=timeout)
     except AssertionError as exc:
         (root / "launch_error.txt").write_text(str(exc))
     return outs
@@ -66,7 +64,7 @@ def references(tmp_path_factory) -> dict[tuple[str, ...], tuple[Path, dict]]:
     """model variant -> (directory holding init.pt, rank-0 result) of its world-1 reference, all in one launch."""
     variants = [DEFAULT, TIED, *FP8_VARIANTS.values()]
     names = {v: "ref_" + ("_".join(a.strip("-") for a in v) or "default") for v in variants}
-    outs = run_cases(1, {names[v]: ["--mbs", "8", "--chunk", "1024", *v] for v in variants},
+    outs = launch_cases(1, {names[v]: ["--mbs", "8", "--chunk", "1024", *v] for v in variants},
                      tmp_path_factory.mktemp("refs"), timeout=300)
     return {v: (outs[names[v]], case_results(outs[names[v]], 1)[0]) for v in variants}
 
@@ -77,18 +75,18 @@ def reference(references):
     return references[DEFAULT]
 
 
-CASES = {
-    "dp2": (2, []),
-    "tp2": (2, ["--tp", "2"]),
-    "pp2": (2, ["--pp", "2"]),
-    "tp2_sp": (2, ["--tp", "2", "--sp"]),
-    "cp2": (2, ["--cp", "2"]),
-    "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]),
-    "dp2_distopt_mbs2": (2, ["--distopt", "--mbs", "2"]),
+CASES = {  # 2-process layouts
+    "dp2": [],
+    "tp2": ["--tp", "2"],
+    "pp2": ["--pp", "2"],
+    "tp2_sp": ["--tp", "2", "--sp"],
+    "cp2": ["--cp", "2"],
+    "pp2_vpp2": ["--pp", "2", "--vpp", "2"],
+    "dp2_distopt_mbs2": ["--distopt", "--mbs", "2"],
 }
 TIED_CASES = {"pp2_tied": ["--pp", "2", "--tied"], "tp2_tied": ["--tp", "2", "--tied"]}
 # One micro-batch as in the reference: FP8 wgrad quantization groups run over tokens.
-FP8_CASES = {f"pp2_{recipe}": ["--pp", "2", "--mbs", "8", *args] for recipe, args in FP8_VARIANTS.items()}
+FP8_PP2 = ["--pp", "2", "--mbs", "8"]
 UNSAFE_VPP = ["--pp", "2", "--vpp", "2", "--unsafe-batch-p2p"]
 # DP with SP is covered by tp2_sp and dp2 apart and by tp2_cp2_sp (SP with gradients reduced over the DP x CP group); the
 # 4-process tp2_dp2_sp run was dropped to keep CI under 15 minutes on 2 cores.
@@ -102,18 +100,17 @@ def _init(references, variant=DEFAULT) -> list[str]:
 @pytest.fixture(scope="module")
 def world2(references, tmp_path_factory) -> dict[str, Path]:
     """Every 2-process case of this module, in one launch (the unsafe VPP control last)."""
-    cases = {name: [*args, *_init(references)] for name, (_, args) in CASES.items()}
+    cases = {name: [*args, *_init(references)] for name, args in CASES.items()}
     cases.update({name: [*args, *_init(references, TIED)] for name, args in TIED_CASES.items()})
-    cases.update({f"pp2_{recipe}": [*FP8_CASES[f"pp2_{recipe}"], *_init(references, variant)]
-                  for recipe, variant in FP8_VARIANTS.items()})
+    cases.update({f"pp2_{recipe}": [*FP8_PP2, *variant, *_init(references, variant)] for recipe, variant in FP8_VARIANTS.items()})
     cases["pp2_vpp2_unsafe_p2p"] = [*UNSAFE_VPP, *_init(references)]
-    return run_cases(2, cases, tmp_path_factory.mktemp("world2"), timeout=600)
+    return launch_cases(2, cases, tmp_path_factory.mktemp("world2"), timeout=600)
 
 
 @pytest.fixture(scope="module")
 def world4(references, tmp_path_factory) -> dict[str, Path]:
     """The 4-process cases, in one launch."""
-    return run_cases(4, {name: [*args, *_init(references)] for name, args in WORLD4_CASES.items()},
+    return launch_cases(4, {name: [*args, *_init(references)] for name, args in WORLD4_CASES.items()},
                      tmp_path_factory.mktemp("world4"), timeout=600)
 
 
