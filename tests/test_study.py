@@ -94,6 +94,21 @@ def test_run_values_follow_their_definitions():
     assert s.cell() == "0.2 ± 0.1414 [0.1, 0.3]" and results.SeedStats([math.nan]).cell() == "n/a"
 
 
+def test_late_checkpoint_values_take_the_second_half_and_need_two_checkpoints():
+    by = {m.label: m for m in results.METRICS}
+    late, spread = by["held-out accuracy, high-precision engine, late checkpoints"], \
+        by["held-out accuracy, high-precision engine, checkpoint-to-checkpoint std"]
+    measured = {24: {"hp/greedy_accuracy": 0.1}, 49: {"hp/greedy_accuracy": 0.2}, 99: {"hp/greedy_accuracy": 0.9},
+                149: {"hp/greedy_accuracy": 0.6, "hp/entropy": 0.5}, 199: {"hp/greedy_accuracy": 0.75}}
+    value = lambda m, ms, steps=200: results.run_value([], m, 0.4, {}, measured_steps=ms, steps=steps)  # noqa: E731
+    assert value(late, measured) == pytest.approx((0.9 + 0.6 + 0.75) / 3)       # 99, 149, 199: not 24 or 49
+    assert value(spread, measured) == pytest.approx(statistics.stdev([0.9, 0.6, 0.75]))
+    assert value(late, measured, steps=100) == pytest.approx((0.2 + 0.9 + 0.6 + 0.75) / 4)  # from 49 on
+    assert math.isnan(value(late, {199: {"hp/greedy_accuracy": 0.75}}))           # the final checkpoint alone
+    assert math.isnan(value(by["entropy, high-precision forward, late checkpoints"], measured))  # one late step has it
+    assert math.isnan(value(late, {}))
+
+
 def test_only_the_named_arms_run_and_unknown_names_are_refused(tmp_path, monkeypatch):
     from megatron_rl.study import runner
 

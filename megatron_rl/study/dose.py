@@ -21,8 +21,15 @@ DOSE_METRICS = ("clipfrac_lower_neg", "reward (mean)", "reward (last)", "entropy
                 "malformed (last)", "held-out accuracy after RL", "held-out malformed after RL")
 """Rows of the dose table (labels of results.METRICS)."""
 DOSE_MEASURED = ("entropy after RL, high-precision forward", "sampled reward after RL, high-precision engine",
-                 "held-out accuracy after RL, high-precision engine")
-"""Further rows once runs were measured in high precision (`megatron-rl study SPEC --hp-measure`); not plotted."""
+                 "held-out accuracy after RL, high-precision engine",
+                 "held-out accuracy, high-precision engine, late checkpoints",
+                 "held-out accuracy, high-precision engine, checkpoint-to-checkpoint std",
+                 "sampled reward, high-precision engine, late checkpoints",
+                 "entropy, high-precision forward, late checkpoints")
+"""Further rows once runs were measured in high precision (`megatron-rl study SPEC --hp-measure [--hp-steps all]`)."""
+DOSE_PLOTTED_MEASURED = ("held-out accuracy, high-precision engine, late checkpoints",
+                         "sampled reward, high-precision engine, late checkpoints")
+"""Measured rows also drawn in dose.png when some run has them (the outcome least moved by one checkpoint's swing)."""
 
 
 def arm_dose(overrides: dict[str, Any]) -> tuple[Optional[float], str]:
@@ -46,7 +53,7 @@ def dose_table(study) -> tuple[str, dict]:
     two arms give the same (k, variant), which one table cell cannot show."""
     records = results.collect(study, study.spec.steps)
     names = [a.name for a in study.spec.arms]
-    stats = results.arm_stats(records, names, study.spec.tail_fraction)
+    stats = results.arm_stats(records, names, study.spec.tail_fraction, steps=study.spec.steps)
     measured = [m for m in DOSE_MEASURED if any(stats[a][m].finite for a in names)]
     dose: dict[str, dict] = {m: {} for m in (*DOSE_METRICS, *measured)}
     ref_name = None
@@ -81,16 +88,18 @@ def dose_table(study) -> tuple[str, dict]:
 
 
 def plot_dose(dose: dict, out: Path) -> Path:
-    """dose.png: one panel per metric, the metric against k (log2 axis), vanilla and calibrated, reference band."""
+    """dose.png: one panel per metric (DOSE_METRICS, then DOSE_PLOTTED_MEASURED where measured), the metric against k
+    (log2 axis), vanilla and calibrated, reference band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panels = [*DOSE_METRICS, *(m for m in DOSE_PLOTTED_MEASURED if m in dose)]
     cols = 4
-    rows = math.ceil(len(DOSE_METRICS) / cols)
+    rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax, m in zip(axes.flat, DOSE_METRICS):
+    for ax, m in zip(axes.flat, panels):
         ref = dose[m].get(None)
         if ref is not None and ref.finite:
             ax.axhspan(min(ref.finite), max(ref.finite), color="gray", alpha=0.25, lw=0, label="reference (seed range)")
@@ -110,7 +119,7 @@ def plot_dose(dose: dict, out: Path) -> Path:
         ax.set_title(m, fontsize=9)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7)
-    for ax in list(axes.flat)[len(DOSE_METRICS):]:
+    for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

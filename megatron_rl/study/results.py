@@ -31,8 +31,9 @@ class MetricDef:
     key: str
     reduce: str
     """mean (finite values over all steps), window (steps from the spec's from_step on), tail (last tail_fraction of
-    steps), max, calib (calibration steps), eval, measured (the final checkpoint's hp_measure.json entry), share
-    (sum of `key` over sum of `per` on the rows that log both)."""
+    steps), max, calib (calibration steps), eval, measured (the final checkpoint's hp_measure.json entry), late and
+    late_std (mean and sample std over the measured checkpoints of the second half of training, LATE_MIN_CHECKPOINTS
+    or more), share (sum of `key` over sum of `per` on the rows that log both)."""
     definition: str
     per: Optional[str] = None
     """Denominator key of a `share` metric."""
@@ -70,6 +71,17 @@ METRICS = (
     MetricDef("held-out accuracy after RL, high-precision engine", "hp/greedy_accuracy", "measured",
               "greedy accuracy of the final weights served by a high-precision engine (the run's evaluation function; "
               "its held-out prompts unless hp_measure.json's settings name another count)"),
+    MetricDef("held-out accuracy, high-precision engine, late checkpoints", "hp/greedy_accuracy", "late",
+              "greedy held-out accuracy through a high-precision engine, mean over the measured checkpoints of the second "
+              "half of training (`--hp-measure --hp-steps all`; at least two): one checkpoint's accuracy swings by 10-30 "
+              "points from one saved step to the next in the deep miniature, so the final one alone is a sample of that swing"),
+    MetricDef("held-out accuracy, high-precision engine, checkpoint-to-checkpoint std", "hp/greedy_accuracy", "late_std",
+              "sample std of that accuracy over the same late checkpoints of one run (how far a single checkpoint's "
+              "figure can sit from the run's level)"),
+    MetricDef("sampled reward, high-precision engine, late checkpoints", "hp/reward_mean", "late",
+              "sampled reward through a high-precision engine, mean over the same late checkpoints: " + HP_SAMPLED),
+    MetricDef("entropy, high-precision forward, late checkpoints", "hp/entropy", "late",
+              "mean token entropy under an fp32 HF forward, mean over the same late checkpoints"),
     MetricDef("held-out accuracy after RL, own engine (remeasured)", "own/greedy_accuracy", "measured",
               "the same through an engine in the arm's own rollout precision (equals the run's own figure on the same prompts)"),
     MetricDef("malformed (last)", "malformed/train", "tail",
@@ -105,14 +117,32 @@ METRICS = (
 """The RESULTS.md table, in order."""
 
 
+LATE_MIN_CHECKPOINTS = 2
+"""A run's late-checkpoint value needs at least this many measured checkpoints in the second half of training."""
+
+
+def late_checkpoint_values(measured_steps: dict[int, dict[str, float]], key: str, steps: int) -> list[float]:
+    """`key` at every measured checkpoint step >= steps // 2 - 1 (checkpoint step N holds the weights after step N,
+    so a 200-step run's second half is 99, 124, ..., 199); empty when fewer than LATE_MIN_CHECKPOINTS have it."""
+    vals = [v[key] for s, v in sorted(measured_steps.items()) if s >= steps // 2 - 1 and _finite(v.get(key))]
+    return vals if len(vals) >= LATE_MIN_CHECKPOINTS else []
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def run_value(rows: Sequence[dict], metric: MetricDef, tail_fraction: float, evals: dict[str, float],
-              from_step: int = 0, measured: Optional[dict[str, float]] = None) -> float:
+              from_step: int = 0, measured: Optional[dict[str, float]] = None,
+              measured_steps: Optional[dict[int, dict[str, float]]] = None, steps: int = 0) -> float:
     """One run's value of `metric` (nan when the run has no finite value for it); `measured`: the final
-    checkpoint's hp_measure values ('<view>/<field>')."""
+    checkpoint's hp_measure values ('<view>/<field>'); `measured_steps`: those of every measured checkpoint of a
+    `steps`-step run (the late reductions)."""
+    if metric.reduce in ("late", "late_std"):
+        vals = late_checkpoint_values(measured_steps or {}, metric.key, steps)
+        if not vals:
+            return math.nan
+        return statistics.fmean(vals) if metric.reduce == "late" else statistics.stdev(vals)
     if metric.reduce in ("eval", "measured"):
         v = (evals if metric.reduce == "eval" else measured or {}).get(metric.key, math.nan)
         return float(v) if _finite(v) else math.nan
@@ -273,12 +303,13 @@ def collect(study, steps: int) -> list[RunRecord]:
 
 
 def arm_stats(records: Sequence[RunRecord], arms: Sequence[str], tail_fraction: float,
-              from_step: int = 0) -> dict[str, dict[str, SeedStats]]:
-    """{arm: {metric label: SeedStats over the arm's finished seeds}}."""
+              from_step: int = 0, steps: int = 0) -> dict[str, dict[str, SeedStats]]:
+    """{arm: {metric label: SeedStats over the arm's finished seeds}} (`steps`: the runs' length, for the late rows)."""
     out: dict[str, dict[str, SeedStats]] = {}
     for arm in arms:
         runs = [r for r in records if r.arm == arm and r.status == "done"]
-        out[arm] = {m.label: SeedStats([run_value(r.rows, m, tail_fraction, r.evals, from_step, r.measured) for r in runs])
+        out[arm] = {m.label: SeedStats([run_value(r.rows, m, tail_fraction, r.evals, from_step, r.measured,
+                                                  r.measured_steps, steps) for r in runs])
                     for m in METRICS}
     return out
 
@@ -289,6 +320,9 @@ def _reported(metric: MetricDef, records: Sequence[RunRecord]) -> bool:
     their rows."""
     if metric.reduce == "measured":
         return any(metric.key in r.measured for r in records)
+    if metric.reduce in ("late", "late_std"):
+        return any(len(r.measured_steps) >= LATE_MIN_CHECKPOINTS and any(metric.key in v for v in r.measured_steps.values())
+                   for r in records)
     if metric.reduce == "share":
         return any(_finite(row.get(metric.key)) for r in records for row in r.rows)
     return True
@@ -313,7 +347,7 @@ def write_results(study, records: Sequence[RunRecord], figures: dict[str, str], 
     """Write <output_dir>/RESULTS.md: arms, per-arm statistics over seeds, comparison to the reference arm, runs, definitions, figures."""
     spec = study.spec
     arms = [a.name for a in spec.arms]
-    stats = arm_stats(records, arms, spec.tail_fraction, spec.from_step)
+    stats = arm_stats(records, arms, spec.tail_fraction, spec.from_step, spec.steps)
     shown = [m for m in METRICS if _reported(m, records)]
     tail_pct = f"{100 * spec.tail_fraction:g}%"
     label = lambda m: m.label.replace("(last)", f"(last {tail_pct})").replace("step N", f"step {spec.from_step}")  # noqa: E731
