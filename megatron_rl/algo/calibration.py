@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ class CalibrationTargets:
     """|N| of the reference pass (0 means alpha carries no information)."""
     num_pos: float
     """|P| of the reference pass (0 means rho carries no information)."""
+    sums: tuple[float, ...] = ()
+    """The reference pass's `reference_sums` (|N|, |N below|, C+, C-, |P|), from which alpha and rho came; empty for
+    targets given directly. Additive: pooled events sum them (`targets_from_sums`)."""
 
     @classmethod
     def of(cls, alpha: float, rho: float) -> "CalibrationTargets":
@@ -66,7 +69,7 @@ class CalibrationTargets:
             return self
         alpha = self.alpha if self.num_neg > 0 else old.alpha
         rho = self.rho if self.num_neg > 0 and self.num_pos > 0 else old.rho
-        return CalibrationTargets(alpha, rho, self.num_neg, self.num_pos)
+        return CalibrationTargets(alpha, rho, self.num_neg, self.num_pos, self.sums)
 
 
 class BoundsSolution(NamedTuple):
@@ -125,15 +128,16 @@ def reference_sums(ratio_hp: torch.Tensor, adv: torch.Tensor, *, eps_low: float,
     ])
 
 
-def targets_from_sums(sums: torch.Tensor) -> CalibrationTargets:
-    """alpha and rho from (global) `reference_sums` output."""
-    n_neg, n_below, c_plus, c_minus, n_pos = (float(x) for x in sums.tolist())
+def targets_from_sums(sums: Union[torch.Tensor, Sequence[float]]) -> CalibrationTargets:
+    """alpha and rho from (global) `reference_sums` output (or the element-wise sum of several events')."""
+    values = tuple(float(x) for x in (sums.tolist() if isinstance(sums, torch.Tensor) else sums))
+    n_neg, n_below, c_plus, c_minus, n_pos = values
     alpha = n_below / n_neg if n_neg > 0 else 0.0
     if c_minus > 0:
         rho = c_plus / c_minus
     else:
         rho = math.inf if c_plus > 0 else 0.0
-    return CalibrationTargets(alpha, rho, n_neg, n_pos)
+    return CalibrationTargets(alpha, rho, n_neg, n_pos, values)
 
 
 StatsBackend = Callable[..., Stats]

@@ -16,6 +16,7 @@ statistics and targets exist, solve L and H and hold them: with `smooth`, new = 
 (1 - smoothing) * applied (the first solve of a run is taken as is); without, the applied bounds themselves.
 applied = the solved bounds (strength=full) or w of the way to them from the vanilla bounds in log space
 (strength=excess, the default: w from each calibration event's excess clipping, `excess_strength`).
+The targets and w take the pooled counts of the last `target_events` calibration events (1: each event alone).
 The solve's `quantile` says whom the bounds are for: the tokens solved on (per_calibration's event,
 per_minibatch's pre-pass) or the next step's (per_step, which re-solves every step).
 The state lives on the last pipeline stage (where the loss runs); the loop copies it to the other
@@ -29,7 +30,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from megatron_rl.algo.calibration import BoundsSolution, CalibrationTargets, RatioStats, solve_bounds
+from megatron_rl.algo.calibration import BoundsSolution, CalibrationTargets, RatioStats, solve_bounds, targets_from_sums
 from megatron_rl.algo.ratio_stats import HistSpec
 from megatron_rl.config.algo import AlgoConfig, CalibrationConfig
 
@@ -56,7 +57,10 @@ class CalibratedClipper:
         self.strength = 1.0 if cfg.strength == "full" else 0.0
         """Share w of the way from the vanilla bounds to the solved ones (strength=excess: set at every calibration event)."""
         self.alpha_lp = math.nan
-        """Fraction of negative tokens the low-precision ratios put below 1 - eps_low at the last calibration event."""
+        """Fraction of negative tokens the low-precision ratios put below 1 - eps_low at the last calibration event(s)."""
+        self.events: list[list[float]] = []
+        """Per recent calibration event (at most cfg.target_events): its reference sums, then its low-precision
+        (|N below 1 - eps_low|, |N|); the targets and w pool them."""
 
     def new_stats(self, *, fp8: bool = True, reference: bool = False, record: bool = False, weighted: bool = False) -> RatioStats:
         """An empty `RatioStats` with this clipper's backend, eps and bins (`weighted`: tokens carry weights)."""
@@ -69,14 +73,19 @@ class CalibratedClipper:
         `quantile` (calibration.QUANTILES): same_tokens for bounds applied to the solved tokens, next_tokens for later ones."""
         c = self.cfg
         reduced = stats.reduce(group, max_samples_per_rank=c.max_samples_per_rank, generator=self.generator)
-        if reduced.targets is not None:
-            self.targets = reduced.targets.merged_into(self.targets)
+        event = reduced.targets
+        if event is not None:
+            fp8 = reduced.fp8
+            lp = [fp8.neg_count_below(1.0 - self.eps_low), fp8.num_neg] if fp8 is not None else [0.0, 0.0]
+            self.events = (self.events + [list(event.sums) + lp])[-c.target_events:]
+            pooled = [sum(col) for col in zip(*self.events)]
+            event = targets_from_sums(pooled[:5])
+            self.targets = event.merged_into(self.targets)
         if reduced.fp8 is None or self.targets is None:
             return None
-        if reduced.targets is not None and c.strength == "excess" and reduced.fp8.num_neg > 0 \
-                and reduced.targets.num_neg > 0:
-            self.alpha_lp = reduced.fp8.neg_count_below(1.0 - self.eps_low) / reduced.fp8.num_neg
-            self.strength = excess_strength(reduced.targets.alpha, self.alpha_lp, c.excess_tolerance)
+        if event is not None and c.strength == "excess" and pooled[6] > 0 and event.num_neg > 0:
+            self.alpha_lp = pooled[5] / pooled[6]
+            self.strength = excess_strength(event.alpha, self.alpha_lp, c.excess_tolerance)
         sol = solve_bounds(
             reduced.fp8, self.targets, eps_low=self.eps_low, eps_high=self.eps_high, upper=c.upper,
             lower_min=c.lower_min, lower_max=c.lower_max, upper_min=c.upper_min, upper_max=c.upper_max,
@@ -128,11 +137,13 @@ class CalibratedClipper:
             "lower": self.lower,
             "upper": self.upper,
             "solved": self.solved,
-            "targets": None if t is None else {k: getattr(t, k) for k in ("alpha", "rho", "num_neg", "num_pos")},
+            "targets": None if t is None else {**{k: getattr(t, k) for k in ("alpha", "rho", "num_neg", "num_pos")},
+                                               "sums": list(t.sums)},
             "last": None if last is None else last._asdict(),
             "generator": self.generator.get_state(),
             "strength": self.strength,
             "alpha_lp": self.alpha_lp,
+            "events": [list(e) for e in self.events],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -140,13 +151,16 @@ class CalibratedClipper:
         self.lower, self.upper = _f32(state["lower"]), _f32(state["upper"])
         self.solved = bool(state["solved"])
         t = state["targets"]
-        self.targets = None if t is None else CalibrationTargets(**{k: float(v) for k, v in t.items()})
+        self.targets = None if t is None else CalibrationTargets(
+            **{k: float(t[k]) for k in ("alpha", "rho", "num_neg", "num_pos")}, sums=tuple(float(x) for x in t.get("sums", ())))
         last = state.get("last")
         self.last = None if last is None else BoundsSolution(**last)
         self.generator.set_state(state["generator"])
         # checkpoints from before strength=excess applied the solved bounds in full
         self.strength = float(state.get("strength", 1.0))
         self.alpha_lp = float(state.get("alpha_lp", math.nan))
+        # checkpoints from before target_events pooled nothing across events
+        self.events = [[float(x) for x in e] for e in state.get("events", [])]
 
 
 def excess_strength(alpha_hp: float, alpha_lp: float, tolerance: float) -> float:

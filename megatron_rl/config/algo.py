@@ -91,6 +91,8 @@ class CalibrationConfig(StrictConfig):
     """Clamp: smallest allowed calibrated lower bound L."""
     strength: Literal["excess", "full"] = "excess"
     """excess: the solved bounds are applied in proportion to the measured distortion, w = clamp(1 - (1 + excess_tolerance) * alpha_hp / alpha_lp, 0, 1) from each calibration event (alpha_lp: the fraction of negative tokens the low-precision ratios put below 1 - eps_low), log L = (1 - w) log(1 - eps_low) + w log L_solved, likewise H; so where low precision clips little more than high precision the vanilla bounds stay; full: the solved bounds as they are (the paper)."""
+    target_events: PositiveInt = 1
+    """The targets (alpha, rho) and strength=excess's w come from the pooled token counts of this many most recent calibration events (>= 1; 1: each event alone). One event of a small batch has a few dozen tokens below 1 - eps_low; pooling trades staleness for a steadier target."""
     excess_tolerance: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     """strength=excess: the excess clipping (alpha_lp / alpha_hp - 1) tolerated before the bounds move (0-100); 1.0 tolerates clipping up to 2x high precision, where the measured dose-response showed no harm from zeroed negative gradients (docs/RESULTS.md section 3)."""
     lower_floor: Literal["lowest_ratio", "lower_min"] = "lowest_ratio"

@@ -216,3 +216,43 @@ def test_excess_strength_keeps_vanilla_bounds_until_the_distortion_is_large(nois
         assert 0.3 < w < 1.0
         assert lo_e == pytest.approx(math.exp((1 - w) * math.log(0.8) + w * math.log(sol.lower)), rel=1e-6)
         assert lo_f < lo_e < 0.8
+
+
+def _event(clipper, r8, r_hp, adv):
+    stats = clipper.new_stats(reference=True)
+    stats.add(r8, adv, ratio_hp=r_hp)
+    return clipper.solve(stats, smooth=False)
+
+
+def test_target_events_pool_the_last_events_counts_and_resume_with_them():
+    """target_events=2: alpha, rho and w come from the summed counts of the last two events (not their mean, not
+    older ones); 1 reproduces each event alone; the pool survives state_dict / load_state_dict."""
+    g = torch.Generator().manual_seed(5)
+    events = []
+    for n, noise in ((600, 0.3), (200, 0.5), (900, 0.2)):
+        adv = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
+        r_hp = torch.exp(0.15 * torch.randn(n, generator=g))
+        events.append((r_hp * torch.exp(noise * torch.randn(n, generator=g)), r_hp, adv))
+    one = CalibratedClipper(CalibrationConfig(enabled=True), eps_low=0.2, eps_high=0.2)
+    two = CalibratedClipper(CalibrationConfig(enabled=True, target_events=2), eps_low=0.2, eps_high=0.2)
+    for e in events:
+        _event(one, *e)
+        _event(two, *e)
+    last = events[-1]
+    neg = last[2] < 0
+    assert one.targets.alpha == pytest.approx(float((last[1][neg] < 0.8).double().mean()))
+    assert one.alpha_lp == pytest.approx(float((last[0][neg] < 0.8).double().mean()))
+    pooled_neg = torch.cat([e[2] < 0 for e in events[1:]])
+    pooled_hp, pooled_lp = torch.cat([e[1] for e in events[1:]]), torch.cat([e[0] for e in events[1:]])
+    alpha_hp = float((pooled_hp[pooled_neg] < 0.8).double().mean())
+    alpha_lp = float((pooled_lp[pooled_neg] < 0.8).double().mean())
+    assert two.targets.alpha == pytest.approx(alpha_hp) and two.targets.num_neg == int(pooled_neg.sum())
+    assert two.alpha_lp == pytest.approx(alpha_lp)
+    assert two.strength == pytest.approx(max(0.0, 1.0 - 2.0 * alpha_hp / alpha_lp), abs=1e-12)
+    assert two.targets.alpha != pytest.approx(one.targets.alpha)
+    resumed = CalibratedClipper(CalibrationConfig(enabled=True, target_events=2), eps_low=0.2, eps_high=0.2)
+    resumed.load_state_dict(two.state_dict())
+    nxt = events[0]
+    _event(two, *nxt)
+    _event(resumed, *nxt)
+    assert (resumed.lower, resumed.upper, resumed.strength, resumed.targets) == (two.lower, two.upper, two.strength, two.targets)
