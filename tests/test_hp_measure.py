@@ -188,3 +188,11 @@ def test_dose_table_adds_hp_rows_once_measured(tmp_path):
     text = write_dose_report(study).read_text()
     assert "| held-out accuracy after RL, high-precision engine | n/a | 0.75 [0.75, 0.75] |" in text
     assert "| entropy after RL, high-precision forward | n/a | 0.25 [0.25, 0.25] |" in text
+    assert "late checkpoints" not in text  # the final checkpoint alone has no late average
+    steps = study.spec.steps
+    _measured(study.run_dir("fp8_k4", 1), {steps // 2 - 2: {"hp": {"greedy_accuracy": 0.1}},  # first half: left out
+                                           steps // 2 - 1: {"hp": {"greedy_accuracy": 0.5}},
+                                           steps - 1: {"hp": {"greedy_accuracy": 0.75, "reward_mean": 0.5}}})
+    text = write_dose_report(study).read_text()
+    assert "| held-out accuracy, high-precision engine, late checkpoints | n/a | 0.625 [0.625, 0.625] |" in text
+    assert "sampled reward, high-precision engine, late checkpoints" not in text  # one late checkpoint has it
