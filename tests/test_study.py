@@ -148,21 +148,26 @@ def test_dose_report_groups_arms_by_k_and_calibration(tmp_path):
             {"name": "fp8_calib_k4", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0,
                                                    "algo.calibration.enabled": True, "algo.calibration.shadow_fraction": 1.0}},
             {"name": "fp8_calib_full", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True,
-                                                     "algo.calibration.strength": "full"}}]
+                                                     "algo.calibration.strength": "full"}},
+            {"name": "fp8_calib_pool_k4", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True,
+                                                        "algo.experimental.clip_error_scale": 4.0,
+                                                        "algo.calibration.target_events": 4,
+                                                        "algo.calibration.shadow_fraction": 1.0,
+                                                        "algo.calibration.excess_tolerance": 0.5}}]
     study = load_study(_spec(tmp_path, arms=arms))
     assert [arm_dose(a.overrides) for a in study.spec.arms] == [
         (None, "reference"), (1.0, "vanilla"), (4.0, "vanilla"), (1.0, "calibrated"), (4.0, "calibrated"),
-        (1.0, "calibrated, strength=full")]
+        (1.0, "calibrated, strength=full"), (4.0, "calibrated, excess_tolerance=0.5, target_events=4")]
     for arm, k in (("hp", 0.5), ("fp8", 1.0), ("fp8_k4", 4.0), ("fp8_calib", 2.0)):
         for seed in (1, 2):
             _fake_run(study, arm, seed, k + seed, dumps=False)
     text = write_dose_report(study).read_text()
     assert ("| metric | hp (reference) | vanilla k=1 | vanilla k=4 | calibrated k=1 | calibrated k=4 "
-            "| calibrated, strength=full k=1 |") in text
+            "| calibrated, excess_tolerance=0.5, target_events=4 k=4 | calibrated, strength=full k=1 |") in text
     row = next(line for line in text.splitlines() if line.startswith("| clipfrac_lower_neg |")).split(" | ")
     # (4+1, 4+2) * 0.01; the default calibration at k = 1 keeps its own cell beside the full-strength arm (which, never
     # run, must not overwrite it); k4 calib and full never ran
-    assert row[3] == "0.055 [0.05, 0.06]" and row[4] == "0.035 [0.03, 0.04]" and row[5:] == ["n/a", "n/a |"], row
+    assert row[3] == "0.055 [0.05, 0.06]" and row[4] == "0.035 [0.03, 0.04]" and row[5:] == ["n/a", "n/a", "n/a |"], row
     assert (study.report_out / "dose.png").read_bytes()[:4] == b"\x89PNG"
 
 

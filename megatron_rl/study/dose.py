@@ -3,8 +3,8 @@
     python tools/dose_response.py examples/studies/deep_addtrace_dose.yaml   # -> <report_dir>/DOSE.md, dose.png
 
 Each arm's k is its `algo.experimental.clip_error_scale` override (1 without one), and its variant is `vanilla`, or
-`calibrated` when it sets `algo.calibration.enabled: true` (`calibrated, strength=full` and the like when it also
-overrides `algo.calibration.strength`); arms with a recipe of none are the high-precision reference. For every
+`calibrated` when it sets `algo.calibration.enabled: true` (`calibrated, strength=full`, `calibrated, target_events=4`
+and the like when it also overrides other `algo.calibration.*` settings than shadow_fraction); arms with a recipe of none are the high-precision reference. For every
 (k, variant) pair the table gives mean [min, max] over finished seeds of the metrics below (definitions:
 megatron_rl/study/results.py); the figure draws them against k, vanilla and calibrated, with the reference's
 seed range as a band. Pure reading of finished runs: nothing is trained here.
@@ -39,8 +39,16 @@ def arm_dose(overrides: dict[str, Any]) -> tuple[Optional[float], str]:
     k = float(overrides.get("algo.experimental.clip_error_scale", 1.0))
     if not overrides.get("algo.calibration.enabled", False):
         return k, "vanilla"
-    strength = overrides.get("algo.calibration.strength")
-    return k, "calibrated" if strength is None else f"calibrated, strength={strength}"
+    # every calibration setting but those that only feed the instrument or the cost names the variant
+    settings = sorted((key.removeprefix(CALIBRATION), value) for key, value in overrides.items()
+                      if key.startswith(CALIBRATION) and key not in NOT_A_VARIANT)
+    return k, ", ".join(["calibrated", *(f"{key}={value}" for key, value in settings)])
+
+
+CALIBRATION = "algo.calibration."
+NOT_A_VARIANT = ("algo.calibration.enabled", "algo.calibration.shadow_fraction")
+"""Calibration overrides that do not make an arm another variant: shadow_fraction only sets how many rows the shadow
+pass sees (the k > 1 arms need all of them)."""
 
 
 def _variant_order(variant: str) -> tuple[int, str]:
