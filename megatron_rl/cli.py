@@ -13,7 +13,7 @@
     megatron-rl plan CONFIG --nodes N [--gpus-per-node G] [--gpu h100|h200|b200]   # check + estimate a layout
     megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
     megatron-rl study SPEC.yaml [--report-only] [--arms A B]   # arms x seeds from one warm start -> RESULTS.md + plots
-    megatron-rl study SPEC.yaml --hp-measure [--hp-steps all] [--hp-own]   # finished runs' weights in high precision
+    megatron-rl study SPEC.yaml --hp-measure [--hp-steps late|all] [--hp-own]   # finished runs' weights in high precision
     megatron-rl hp-measure RUN_DIR [--steps final|all|N,M] [--own]   # one run: RUN_DIR/hp_measure.json
 """
 from __future__ import annotations
@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hp-measure", action="store_true",
                    help="train nothing: measure every finished run's saved weights in high precision (megatron-rl "
                         "hp-measure, skipping what is measured), then rewrite RESULTS.md")
-    p.add_argument("--hp-steps", default="final", help="--hp-measure: checkpoints to measure: final, all, or steps N,M")
+    p.add_argument("--hp-steps", default="final",
+                   help="--hp-measure: checkpoints to measure: final, late (the second half), all, or steps N,M")
     p.add_argument("--hp-own", action="store_true", help="--hp-measure: also through each arm's own engine precision")
     p.add_argument("--hp-prompts", type=int, default=64, help="--hp-measure: training prompts sampled for the reward")
     p.add_argument("--hp-eval-prompts", type=int, default=None,
@@ -262,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_study)
     p = sub.add_parser("hp-measure", help=cmd_hp_measure.__doc__, description=cmd_hp_measure.__doc__)
     p.add_argument("run_dir", help="a `megatron-rl train` run directory (config.yaml, checkpoints/)")
-    p.add_argument("--steps", default="final", help="checkpoints to measure: final (the newest), all, or steps N,M")
+    p.add_argument("--steps", default="final",
+                   help="checkpoints to measure: final (the newest), late (the second half), all, or steps N,M")
     p.add_argument("--prompts", type=int, default=64,
                    help="training prompts (a fixed seeded set) sampled rollout.n_samples_per_prompt times for the reward")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt set and of its sampling")

@@ -30,10 +30,13 @@ def _checkpoints(run_dir: Path, steps) -> None:
 def test_step_selection():
     assert hp_measure.select_steps("final", [4, 9]) == [9]
     assert hp_measure.select_steps("all", [9, 4]) == [4, 9]
+    # a 200-step run's checkpoints every 25 steps: the second half is 99..199, as the late report rows take it
+    assert hp_measure.select_steps("late", list(range(199, 0, -25))) == [99, 124, 149, 174, 199]
+    assert hp_measure.select_steps("late", [9]) == [9]
     assert hp_measure.select_steps("9, 4,4", [4, 9]) == [4, 9]
     with pytest.raises(ValueError, match=r"no checkpoint of step\(s\) \[5\]"):
         hp_measure.select_steps("4,5", [4, 9])
-    with pytest.raises(ValueError, match="final, all, or comma-separated"):
+    with pytest.raises(ValueError, match="final, late, all, or comma-separated"):
         hp_measure.select_steps("last", [4, 9])
     with pytest.raises(ValueError, match="no complete checkpoint"):
         hp_measure.select_steps("final", [])

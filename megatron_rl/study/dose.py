@@ -26,7 +26,7 @@ DOSE_MEASURED = ("entropy after RL, high-precision forward", "sampled reward aft
                  "held-out accuracy, high-precision engine, checkpoint-to-checkpoint std",
                  "sampled reward, high-precision engine, late checkpoints",
                  "entropy, high-precision forward, late checkpoints")
-"""Further rows once runs were measured in high precision (`megatron-rl study SPEC --hp-measure [--hp-steps all]`)."""
+"""Further rows once runs were measured in high precision (`megatron-rl study SPEC --hp-measure [--hp-steps late|all]`)."""
 DOSE_PLOTTED_MEASURED = ("held-out accuracy, high-precision engine, late checkpoints",
                          "sampled reward, high-precision engine, late checkpoints")
 """Measured rows also drawn in dose.png when some run has them (the outcome least moved by one checkpoint's swing)."""

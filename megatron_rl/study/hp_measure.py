@@ -113,17 +113,21 @@ def available_steps(run_dir: str | Path) -> list[int]:
 
 
 def select_steps(which: str, available: Sequence[int]) -> list[int]:
-    """Checkpoint steps to measure: 'final' (the newest), 'all', or comma-separated steps (each must be saved)."""
+    """Checkpoint steps to measure: 'final' (the newest), 'late' (those of the second half of training, from step
+    (final + 1) // 2 - 1 on: what the study reports' late-checkpoint rows average), 'all', or comma-separated steps
+    (each must be saved)."""
     if not available:
         raise ValueError("the run has no complete checkpoint to measure")
     if which == "final":
         return [max(available)]
+    if which == "late":
+        return sorted(s for s in available if s >= (max(available) + 1) // 2 - 1)
     if which == "all":
         return sorted(available)
     try:
         wanted = sorted({int(s) for s in which.split(",") if s.strip()})
     except ValueError:
-        raise ValueError(f"steps {which!r}: use final, all, or comma-separated checkpoint steps") from None
+        raise ValueError(f"steps {which!r}: use final, late, all, or comma-separated checkpoint steps") from None
     missing = [s for s in wanted if s not in available]
     if missing or not wanted:
         raise ValueError(f"steps {which!r}: no checkpoint of step(s) {missing or which} (saved: {list(available)})")

@@ -73,7 +73,7 @@ METRICS = (
               "its held-out prompts unless hp_measure.json's settings name another count)"),
     MetricDef("held-out accuracy, high-precision engine, late checkpoints", "hp/greedy_accuracy", "late",
               "greedy held-out accuracy through a high-precision engine, mean over the measured checkpoints of the second "
-              "half of training (`--hp-measure --hp-steps all`; at least two): one checkpoint's accuracy swings by 10-30 "
+              "half of training (`--hp-measure --hp-steps late` or `all`; at least two): one checkpoint's accuracy swings by 10-30 "
               "points from one saved step to the next in the deep miniature, so the final one alone is a sample of that swing"),
     MetricDef("held-out accuracy, high-precision engine, checkpoint-to-checkpoint std", "hp/greedy_accuracy", "late_std",
               "sample std of that accuracy over the same late checkpoints of one run (how far a single checkpoint's "
