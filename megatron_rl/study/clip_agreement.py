@@ -1,7 +1,7 @@
 """Which tokens a run's clipping zeroes: its clip decisions against high precision's, token by token, from the
 calibration token dumps (issue 27 item 6: are the clipped tokens noise-pushed or truly moved?).
 
-    python tools/clip_agreement.py examples/studies/deep_addtrace_dose.yaml   # -> <report_dir>/CLIP_AGREEMENT.md
+    python tools/dose_response.py examples/studies/deep_addtrace_dose.yaml   # -> <report_dir>/CLIP_AGREEMENT.md (and DOSE.md)
 
 Every dumped token with a high-precision ratio (the shadow rows of shadow steps; under the dose instrument every
 step) has a high-precision decision: a negative-advantage token is clipped when r_hp < 1 - eps_low, a positive one
@@ -92,14 +92,17 @@ def bounds_in_force(rows: list[dict], steps: np.ndarray, eps_low: float, eps_hig
     return lower, upper
 
 
-def run_agreement(run_dir: Path, config: dict) -> Optional[dict[str, tuple[SideCounts, SideCounts]]]:
-    """{"in force": (neg, pos), "vanilla bounds": (neg, pos)} of one run's dumps, or None without dumps."""
+def run_agreement(run_dir: Path, config: dict, rows: Optional[list[dict]] = None
+                  ) -> Optional[dict[str, tuple[SideCounts, SideCounts]]]:
+    """{"in force": (neg, pos), "vanilla bounds": (neg, pos)} of one run's dumps, or None without dumps (`rows`: its
+    metrics.jsonl rows when already read)."""
     dump = read_ratio_dumps(run_dir)
     if dump is None:
         return None
     loss = config["algo"]["policy_loss"]
     eps_low, eps_high = float(loss["eps_low"]), float(loss["eps_high"])
-    lower, upper = bounds_in_force(results.read_rows(run_dir), dump["step"], eps_low, eps_high)
+    rows = results.read_rows(run_dir) if rows is None else rows
+    lower, upper = bounds_in_force(rows, dump["step"], eps_low, eps_high)
     n = len(dump["ratio"])
     args = (dump["ratio"], dump["ratio_hp"], dump["adv"])
     return {"in force": side_counts(*args, lower, upper, eps_low, eps_high),
@@ -126,7 +129,7 @@ def agreement_report(study) -> str:
         total: dict[str, tuple[SideCounts, SideCounts]] = {}
         seeds = 0
         for r in runs:
-            got = run_agreement(r.run_dir, r.config)
+            got = run_agreement(r.run_dir, r.config, r.rows)
             if got is None:
                 continue
             seeds += 1
