@@ -89,17 +89,15 @@ def test_router_policies(tmp_path):
     from pydantic import ValidationError
 
     from megatron_rl.rollout.client import RolloutClient
-    from megatron_rl.rollout.launcher import _spawn, free_port, router_command, wait_router
+    from megatron_rl.rollout.launcher import start_router
     from megatron_rl.engine.testing import ThreadedServer, make_tiny_model
 
     make_tiny_model(str(tmp_path / "m"))
     with ThreadedServer(str(tmp_path / "m")) as a, ThreadedServer(str(tmp_path / "m")) as b:
         for policy in ("random", "power_of_two"):
-            port = free_port()
-            router = _spawn(policy, router_command([a.url, b.url], port, policy=policy), f"http://127.0.0.1:{port}",
-                            str(tmp_path))
+            router = start_router([a.url, b.url], policy=policy, log_dir=str(tmp_path), startup_timeout_s=60,
+                                  name=policy)
             try:
-                wait_router(router, 2, 60)
                 groups = RolloutClient(router.url).generate_batch_sync([[3, 4]] * 2, {"n": 2, "max_new_tokens": 2})
                 assert [len(g) for g in groups] == [2, 2]
             finally:

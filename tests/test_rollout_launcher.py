@@ -84,3 +84,47 @@ def test_launch_from_config_rejects_external():
 
     with pytest.raises(ValueError, match="rollout.engine='external'"):
         launch_from_config(RolloutConfig(engine="external", urls=["http://127.0.0.1:1"]), "/m")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="needs sglang-router")
+@pytest.mark.parametrize("fixed_serving_port", [False, True], ids=["probed_port", "fixed_port"])
+def test_router_whose_metrics_port_was_taken_starts_again(tmp_path, monkeypatch, fixed_serving_port):
+    """Another process takes the probed metrics port before the router binds it (the xdist race that panicked the
+    real router): the start is retried with a fresh metrics port on the same serving port, fixed or probed."""
+    import socket
+
+    from megatron_rl.engine.testing import ThreadedServer
+    from megatron_rl.rollout import processes
+
+    make_tiny_model(str(tmp_path / "m"))
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    real_free_port = processes.free_port
+    handed = []
+
+    def free_port_that_first_hands_out_a_taken_metrics_port(host="127.0.0.1"):
+        # router_command asks for the metrics port last, after plan_router's serving port (when that is probed)
+        handed.append(taken if not any(p == taken for p in handed) and len(handed) == (0 if fixed_serving_port else 1)
+                      else real_free_port(host))
+        return handed[-1]
+
+    monkeypatch.setattr(processes, "free_port", free_port_that_first_hands_out_a_taken_metrics_port)
+    serving = real_free_port() if fixed_serving_port else 0
+    try:
+        with ThreadedServer(str(tmp_path / "m")) as engine:
+            router = processes.start_router([engine.url], port=serving, log_dir=str(tmp_path), startup_timeout_s=60)
+            try:
+                first = open(router.log_path, errors="replace").read(router.log_start)
+                assert processes.METRICS_PORT_TAKEN.search(first), first[-2000:]
+                argv = router.cmd
+                assert int(argv[argv.index("--prometheus-port") + 1]) != taken
+                if fixed_serving_port:
+                    assert router.url.endswith(f":{serving}")
+                assert RolloutClient(router.url).generate_batch_sync([[3, 4]], {"max_new_tokens": 2})[0]
+            finally:
+                router.stop()
+    finally:
+        squatter.close()
+    assert taken in handed

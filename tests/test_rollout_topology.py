@@ -159,15 +159,13 @@ def test_resolve_external_without_router():
 
 @needs_router
 def test_router_is_recognised_and_never_a_weight_target(tmp_path):
-    from megatron_rl.rollout.launcher import free_port, router_command, wait_router, _spawn
+    from megatron_rl.rollout.launcher import start_router
     from megatron_rl.engine.testing import ThreadedServer, make_tiny_model
 
     make_tiny_model(str(tmp_path / "m"))
     with ThreadedServer(str(tmp_path / "m")) as engine:
-        port = free_port()
-        router = _spawn("router", router_command([engine.url], port), f"http://127.0.0.1:{port}", str(tmp_path))
+        router = start_router([engine.url], log_dir=str(tmp_path), startup_timeout_s=60)
         try:
-            wait_router(router, 1, 60)
             assert router_workers(router.url) == [engine.url]
             assert router_workers(engine.url) is None
             # the router as the generation endpoint: its workers receive the weights

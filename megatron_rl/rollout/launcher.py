@@ -22,7 +22,8 @@ from typing import Callable, Iterator, Optional, Sequence
 from megatron_rl.rollout import sglang_launcher
 from megatron_rl.rollout.processes import (  # noqa: F401  (re-exported: the launcher's public names)
     ROUTER_POLICIES, ClusterPlan, EngineSpec, LaunchError, ManagedProcess, PlannedProcess, RolloutCluster, _spawn,
-    free_port, plan_cluster, plan_router, public_host, router_command, start_cluster, wait_healthy, wait_router,
+    free_port, plan_cluster, plan_router, public_host, router_command, start_cluster, start_router,
+    wait_healthy, wait_router,
 )
 
 

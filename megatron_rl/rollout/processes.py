@@ -25,7 +25,10 @@ port the OS picks and writes it to a file in the log directory, which the launch
 health check (its URL, a restart's command and the router's worker list use that port). SGLang engines
 and sglang-router cannot report a port, so they get a probed one, and a start that exits because the
 port was taken (`PORT_TAKEN_SIGNS` in the output of that start) is retried on a fresh port, at most
-`PORT_ATTEMPTS` times. Fixed ports (`base_port` > 0) are the user's layout and never changed.
+`PORT_ATTEMPTS` times. Fixed ports (`base_port` > 0) are the user's layout and never changed. The router's
+metrics exporter always gets a probed port (its default, 29000, is one port for every router on a node): a
+start that panics because that port was taken (`METRICS_PORT_TAKEN`) is started again on the same serving
+port with a fresh metrics port, fixed serving port or not.
 """
 from __future__ import annotations
 
@@ -53,6 +56,10 @@ PORT_TAKEN_SIGNS = (re.compile(r"address already in use", re.IGNORECASE),
 """What a start's output says when its port was taken: the OS's EADDRINUSE text, as uvicorn (SGLang's HTTP server),
 Python and Rust (sglang-router) print it, and SGLang's own port wait (python/sglang/srt/utils/network.py:
 wait_port_available, "<name> at <port> is not available in <n> seconds")."""
+METRICS_PORT_TAKEN = re.compile(r"failed to install Prometheus metrics exporter.*address already in use",
+                                re.IGNORECASE)
+"""sglang-router's panic when its --prometheus-port was taken (src/server/startup, metrics::start_prometheus):
+only the metrics port collided, so the serving port stays."""
 
 log = logging.getLogger(__name__)
 
@@ -478,15 +485,30 @@ def start_cluster(specs: Sequence[EngineSpec], *, host: str = "127.0.0.1", base_
         for e, p in zip(cluster.engines, plan.engines):
             _until_serving(e, p, host, lambda proc: wait_healthy(proc, "/health", startup_timeout_s), startup_timeout_s)
         if use_router:
-            r = plan_router(cluster.worker_urls, host=host, port=base_port + len(specs) if base_port > 0 else 0,
-                            policy=router_policy, router_args=router_args, api_key=api_key)
-            cluster.router = _spawn("router", r.argv, r.url, log_dir, apply_env(r.env))
-            _until_serving(cluster.router, r, host, lambda proc: wait_router(proc, len(cluster.engines), startup_timeout_s,
-                                                                            api_key=api_key), startup_timeout_s)
+            cluster.router = start_router(cluster.worker_urls, host=host,
+                                          port=base_port + len(specs) if base_port > 0 else 0, policy=router_policy,
+                                          router_args=router_args, api_key=api_key, log_dir=log_dir,
+                                          startup_timeout_s=startup_timeout_s)
         return cluster
     except BaseException:
         cluster.stop()
         raise
+
+
+def start_router(worker_urls: Sequence[str], *, log_dir: str, host: str = "127.0.0.1", port: int = 0,
+                 policy: str = "round_robin", router_args: Sequence[str] = (), api_key: Optional[str] = None,
+                 startup_timeout_s: float = 120.0, name: str = "router") -> ManagedProcess:
+    """Start the sglang-router in front of `worker_urls` on `port` (0: a probed one) and wait until it lists them all
+    healthy; a start whose port or metrics port was taken is retried (module docstring); stopped on any failure."""
+    planned = plan_router(worker_urls, host=host, port=port, policy=policy, router_args=router_args, api_key=api_key)
+    router = _spawn(name, planned.argv, planned.url, log_dir, apply_env(planned.env))
+    try:
+        _until_serving(router, planned, host, lambda proc: wait_router(proc, len(worker_urls), startup_timeout_s,
+                                                                      api_key=api_key), startup_timeout_s)
+    except BaseException:
+        router.stop()
+        raise
+    return router
 
 
 def _until_serving(proc: ManagedProcess, planned: PlannedProcess, host: str, wait: Callable[[ManagedProcess], None],
@@ -503,15 +525,24 @@ def _until_serving(proc: ManagedProcess, planned: PlannedProcess, host: str, wai
             wait(proc)
             return
         except LaunchError as exc:
-            taken = planned.probed and proc.proc.poll() is not None and port_taken(proc.start_output())
+            exited = proc.proc.poll() is not None
+            output = proc.start_output() if exited else ""
+            metrics_taken = bool(METRICS_PORT_TAKEN.search(output))
+            taken = metrics_taken or (planned.probed and port_taken(output))
             if not taken or planned.command is None:
                 raise
             if attempt == PORT_ATTEMPTS:
-                raise LaunchError(f"{proc.name}: the probed port was taken before it could bind it in {attempt} "
+                raise LaunchError(f"{proc.name}: a probed port was taken before it could bind it in {attempt} "
                                   f"starts; {exc}") from None
+        serving_port = int(proc.url.rsplit(":", 1)[-1])
+        if metrics_taken:
+            # the command probes a fresh metrics port each time it is built
+            log.warning("%s: its metrics port was taken before it bound it; starting it again", proc.name)
+            proc.relaunch(planned.command(serving_port), proc.url)
+            continue
         port = free_port(host)
         log.warning("%s: its port %s was taken before it bound it; starting it again on port %d", proc.name,
-                    proc.url.rsplit(":", 1)[-1], port)
+                    serving_port, port)
         proc.relaunch(planned.command(port), f"http://{public_host(host)}:{port}")
 
 
