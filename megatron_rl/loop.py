@@ -64,7 +64,8 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
     probed = health.probe_rows(learner, mbs) if cfg.train.health.check_updated_policy else None
     with timers("logprobs"):
         batch, metrics = logprobs.old_logprobs(learner, batch, mbs, plan=plan, reference=session.reference, probe_rows=probed,
-                                               kv_cache=session.kv_cache)
+                                               kv_cache=session.kv_cache,
+                                               row_groups=batching.old_logprob_row_groups(batch.batch_size, cfg.train, step))
         batch = with_sequence_rollout_weights(batch, cfg.algo)
         batch = error_scale.with_old_logprobs_hp(learner, batch, mbs, cfg.algo)  # experiment only; no-op unless on
     calib = StepCalibration(session.clipper, plan, cfg, session.run_dir)

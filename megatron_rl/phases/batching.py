@@ -13,6 +13,7 @@ import torch
 from megatron_rl.algo.aggregation import count_tokens_and_seqs, token_weights
 from megatron_rl.config.model import ParallelConfig
 from megatron_rl.config.precision import PrecisionConfig
+from megatron_rl.config.train import TrainConfig
 from megatron_rl.types import Sample, TrainBatch
 
 
@@ -54,7 +55,7 @@ def minibatch_seed(train_seed: int, step: int, epoch: int) -> int:
     return train_seed * 7919 + step * 31 + epoch
 
 
-def _minibatch_rows(batch_size: int, num_minibatches: int, seed: int) -> list[torch.Tensor]:
+def minibatch_rows(batch_size: int, num_minibatches: int, seed: int) -> list[torch.Tensor]:
     """Row indices of each mini-batch: a seeded shuffle cut into equal parts."""
     perm = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed))  # device-ok: seeded CPU draw, same on every rank
     size = batch_size // num_minibatches
@@ -63,7 +64,7 @@ def _minibatch_rows(batch_size: int, num_minibatches: int, seed: int) -> list[to
 
 def minibatches(batch: TrainBatch, num_minibatches: int, seed: int) -> list[TrainBatch]:
     """Shuffle rows (same permutation on every rank) and cut them into equal mini-batches."""
-    return [batch.select(rows) for rows in _minibatch_rows(batch.batch_size, num_minibatches, seed)]
+    return [batch.select(rows) for rows in minibatch_rows(batch.batch_size, num_minibatches, seed)]
 
 
 def on_policy_only_rows(batch_size: int, num_minibatches: int, ppo_epochs: int, train_seed: int, step: int) -> tuple[int, ...]:
@@ -71,7 +72,18 @@ def on_policy_only_rows(batch_size: int, num_minibatches: int, ppo_epochs: int, 
     more (a later epoch trains every row off-policy). No calibration statistic needs their high-precision log-probs."""
     if ppo_epochs > 1 or num_minibatches < 2:
         return ()
-    return tuple(sorted(_minibatch_rows(batch_size, num_minibatches, minibatch_seed(train_seed, step, 0))[0].tolist()))
+    return tuple(sorted(minibatch_rows(batch_size, num_minibatches, minibatch_seed(train_seed, step, 0))[0].tolist()))
+
+
+def old_logprob_row_groups(batch_size: int, train: TrainConfig, step: int) -> Optional[list[torch.Tensor]]:
+    """The row groups pi_old is forwarded as (train.old_logprob_batches): "update" gives the first epoch's mini-batches,
+    each then cut into the DP shards and micro-batches the update trains on; "rollout" gives None (rollout order)."""
+    if train.old_logprob_batches == "rollout":
+        return None
+    groups = minibatch_rows(batch_size, train.num_minibatches, minibatch_seed(train.seed, step, 0))
+    if sum(len(g) for g in groups) != batch_size:  # the config's divisibility check makes mini-batches cover the step
+        raise ValueError(f"{batch_size} rows do not split into {train.num_minibatches} equal mini-batches")
+    return groups
 
 
 def agg_max_len(cfg) -> int:

@@ -8,7 +8,7 @@ so their cost falls with the fraction; rows outside it hold 0 and are never read
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -49,11 +49,24 @@ class ReferencePolicy:
         return lp
 
 
-def _global_forward(learner, batch: TrainBatch, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy of the whole step batch: each DP rank does its shard, then rows are gathered."""
-    shard = dp_shard(batch, state.dp_rank(), state.dp_size())
-    lp, ent = learner.forward_logprobs(shard, micro_batch_size)
-    return all_gather_dp_rows(lp), all_gather_dp_rows(ent)
+def _global_forward(learner, batch: TrainBatch, micro_batch_size: int,
+                    row_groups: Optional[Sequence[torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of the whole step batch: each DP rank does its shard, then rows are gathered. With
+    `row_groups` each group of rows is forwarded on its own (DP shards and micro-batches cut from the group, as an
+    update over those rows cuts them) and the results go back to their rows."""
+    if row_groups is None:
+        shard = dp_shard(batch, state.dp_rank(), state.dp_size())
+        lp, ent = learner.forward_logprobs(shard, micro_batch_size)
+        return all_gather_dp_rows(lp), all_gather_dp_rows(ent)
+    lp = ent = None
+    for rows in row_groups:
+        lp_g, ent_g = _global_forward(learner, batch.select(rows), micro_batch_size)
+        if lp is None:
+            lp = lp_g.new_zeros((batch.batch_size, *lp_g.shape[1:]))
+            ent = ent_g.new_zeros((batch.batch_size, *ent_g.shape[1:]))
+        lp[rows.to(lp.device)] = lp_g
+        ent[rows.to(ent.device)] = ent_g
+    return lp, ent
 
 
 def _padded(batch: TrainBatch, rows: list[int], multiple: int) -> TrainBatch:
@@ -77,15 +90,20 @@ def _shadow_old_logprobs(learner, batch: TrainBatch, rows: list[int], micro_batc
 
 def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, plan: Optional[CalibrationPlan] = None,
                  reference: Optional[ReferencePolicy] = None,
-                 probe_rows: Optional[int] = None, kv_cache=None) -> tuple[TrainBatch, dict[str, float]]:
+                 probe_rows: Optional[int] = None, kv_cache=None,
+                 row_groups: Optional[Sequence[torch.Tensor]] = None) -> tuple[TrainBatch, dict[str, float]]:
     """Attach pi_old (learner precision), the high-precision shadow pi_old on the plan's shadow rows, and reference log-probs.
+
+    `row_groups` (batching.old_logprob_row_groups) forwards pi_old in the first epoch's mini-batches, so each update's
+    micro-batches are the tensors pi_old saw: current per-tensor scaling then gives the on-policy update a ratio of
+    exactly 1 and later updates only the noise of the weights' change, not of a new batch composition.
 
     With `probe_rows`, also the mean entropy of pi_old on the first `probe_rows` rows (health/probe_entropy_before):
     the health probe's tokens before the step's updates. With `kv_cache` (phases/kv_cache.py KvCacheScales) the pi_old
     forward also measures the FP8 KV cache's per-layer K/V amax over the rollout batch (kv_cache/* metrics).
     """
     with kv_cache.measuring() if kv_cache is not None else nullcontext():
-        lp, ent = _global_forward(learner, batch, micro_batch_size)
+        lp, ent = _global_forward(learner, batch, micro_batch_size, row_groups)
     changes = {"old_logprobs": lp}
     mask = batch.loss_mask > 0
     metrics = {"entropy_old": float(ent[mask].mean()) if mask.any() else float("nan")}

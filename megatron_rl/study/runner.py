@@ -94,7 +94,7 @@ def _check_warm_start_config(study: Study, cfg) -> None:
     record = study.warm_dir / WARM_START_RECORD
     now = yaml.safe_load(yaml.safe_dump(config_record(cfg), sort_keys=False))
     if record.exists():
-        diff = _diff(load_yaml_file(record), now)
+        diff = _diff(load_yaml_file(record), now, before_field={})  # the SFT reads none of BEHAVIOUR_BEFORE_FIELD
         if diff:
             raise StudyError(f"{study.warm_dir} was made from a different config than {study.spec_path} now gives the warm "
                              f"start ({'; '.join(diff[:4])}); delete it or use another output_dir")
@@ -119,20 +119,27 @@ def check_existing_runs(study: Study, warm: list[str]) -> None:
 
 _ABSENT = object()
 
+BEHAVIOUR_BEFORE_FIELD = {"train.old_logprob_batches": "rollout"}
+"""Fields added with a default that changes what a run does: a record made before the field existed ran with this value."""
 
-def _diff(old, new, prefix: str = "") -> list[str]:
+
+def _diff(old, new, prefix: str = "", before_field: Optional[dict] = None) -> list[str]:
     """Dotted keys whose values differ between a recorded config and the one a spec implies now, except what cannot
     change a run: fields the record lacks (added to the code since, with defaults that keep the old behaviour, as the
-    project's configs do) and algo.calibration.* while calibration is off in both (no part of it is read then).
-    So runs made before such an addition, or before a change of calibration defaults, are reused, not refused."""
+    project's configs do; those whose default does not keep it are in BEHAVIOUR_BEFORE_FIELD) and algo.calibration.*
+    while calibration is off in both (no part of it is read then). So runs made before such an addition, or before a
+    change of calibration defaults, are reused, not refused."""
     if isinstance(old, dict) and isinstance(new, dict):
         if prefix == "algo.calibration." and old.get("enabled") is False and new.get("enabled") is False:
             return []
         out = []
         for k in sorted(set(old) | set(new), key=str):
             if k not in old:
+                before = (BEHAVIOUR_BEFORE_FIELD if before_field is None else before_field).get(f"{prefix}{k}", _ABSENT)
+                if before is not _ABSENT and before != new.get(k):
+                    out.append(f"{prefix}{k}: {before!r} (before the field existed) -> {new.get(k)!r}")
                 continue
-            out += _diff(old.get(k, _ABSENT), new.get(k, _ABSENT), f"{prefix}{k}.")
+            out += _diff(old.get(k, _ABSENT), new.get(k, _ABSENT), f"{prefix}{k}.", before_field)
         return out
     if new is _ABSENT:
         new = "(no such field now)"
