@@ -14,8 +14,8 @@ reduce the statistics over `group` (one collective round, every rank of the grou
 if they hold high-precision sums (a calibration event), update the targets; if they hold FP8
 statistics and targets exist, solve L and H and hold them: with `smooth`, new = smoothing * held +
 (1 - smoothing) * applied (the first solve of a run is taken as is); without, the applied bounds themselves.
-applied = the solved bounds (strength=full) or w of the way to them from the vanilla bounds in log space
-(strength=excess, the default: w from each calibration event's excess clipping, `excess_strength`).
+applied = the solved bounds (strength=full, the default) or w of the way to them from the vanilla bounds in log space
+(strength=excess: w from each calibration event's excess clipping, `excess_strength`).
 The targets and w take the pooled counts of the last `target_events` calibration events (1: each event alone).
 The solve's `quantile` says whom the bounds are for: the tokens solved on (per_calibration's event,
 per_minibatch's pre-pass) or the next step's (per_step, which re-solves every step).
@@ -58,6 +58,11 @@ class CalibratedClipper:
         """Share w of the way from the vanilla bounds to the solved ones (strength=excess: set at every calibration event)."""
         self.alpha_lp = math.nan
         """Fraction of negative tokens the low-precision ratios put below 1 - eps_low at the last calibration event(s)."""
+        self.deflation = 1.0
+        """lower_target=deflated: pooled alpha_hp / alpha_lp of the recent events (shrunk toward 1), the share of the
+        low-precision clipping high precision would do."""
+        self.alpha_solved = math.nan
+        """The fraction of negative tokens the last solve aimed below L (the held alpha, or the deflated one)."""
         self.events: list[list[float]] = []
         """Per recent calibration event (at most cfg.target_events): its reference sums, then its low-precision
         (|N below 1 - eps_low|, |N|); the targets and w pool them."""
@@ -83,11 +88,19 @@ class CalibratedClipper:
             self.targets = event.merged_into(self.targets)
         if reduced.fp8 is None or self.targets is None:
             return None
-        if event is not None and c.strength == "excess" and pooled[6] > 0 and event.num_neg > 0:
+        if event is not None and pooled[6] > 0 and event.num_neg > 0:
             self.alpha_lp = pooled[5] / pooled[6]
-            self.strength = excess_strength(event.alpha, self.alpha_lp, c.excess_tolerance)
+            if c.strength == "excess":
+                self.strength = excess_strength(event.alpha, self.alpha_lp, c.excess_tolerance)
+            if c.lower_target == "deflated":
+                self.deflation = deflation(event.alpha, self.alpha_lp, event.num_neg, c.deflate_prior_tokens)
+        targets = self.targets
+        if c.lower_target == "deflated" and reduced.fp8.num_neg > 0:
+            alpha_now = reduced.fp8.neg_count_below(1.0 - self.eps_low) / reduced.fp8.num_neg
+            targets = CalibrationTargets(alpha_now * self.deflation, targets.rho, targets.num_neg, targets.num_pos, targets.sums)
+        self.alpha_solved = targets.alpha
         sol = solve_bounds(
-            reduced.fp8, self.targets, eps_low=self.eps_low, eps_high=self.eps_high, upper=c.upper,
+            reduced.fp8, targets, eps_low=self.eps_low, eps_high=self.eps_high, upper=c.upper,
             lower_min=c.lower_min, lower_max=c.lower_max, upper_min=c.upper_min, upper_max=c.upper_max,
             relax_only=c.relax_only, previous=(self.lower, self.upper), quantile=quantile, lower_floor=c.lower_floor,
         )
@@ -120,6 +133,7 @@ class CalibratedClipper:
             "calib/alpha_achieved": last.alpha_achieved if last is not None else math.nan,
             "calib/rho_achieved": last.rho_achieved if last is not None else math.nan,
             "calib/strength": self.strength, "calib/alpha_lp": self.alpha_lp,
+            "calib/deflation": self.deflation, "calib/alpha_solved": self.alpha_solved,
         }
 
     @staticmethod
@@ -144,6 +158,8 @@ class CalibratedClipper:
             "strength": self.strength,
             "alpha_lp": self.alpha_lp,
             "events": [list(e) for e in self.events],
+            "deflation": self.deflation,
+            "alpha_solved": self.alpha_solved,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -161,6 +177,9 @@ class CalibratedClipper:
         self.alpha_lp = float(state.get("alpha_lp", math.nan))
         # checkpoints from before target_events pooled nothing across events
         self.events = [[float(x) for x in e] for e in state.get("events", [])]
+        # checkpoints from before lower_target=deflated
+        self.deflation = float(state.get("deflation", 1.0))
+        self.alpha_solved = float(state.get("alpha_solved", math.nan))
 
 
 def excess_strength(alpha_hp: float, alpha_lp: float, tolerance: float) -> float:
@@ -169,6 +188,16 @@ def excess_strength(alpha_hp: float, alpha_lp: float, tolerance: float) -> float
     if not alpha_lp > 0:
         return 0.0
     return min(max(1.0 - (1.0 + tolerance) * alpha_hp / alpha_lp, 0.0), 1.0)
+
+
+def deflation(alpha_hp: float, alpha_lp: float, num_neg: float, prior_tokens: float) -> float:
+    """(n_hp + prior) / (n_lp + prior) with n = alpha * num_neg: the share of the low-precision clipping below
+    1 - eps_low that high precision does on the same tokens, shrunk toward 1 (no distortion) by `prior_tokens`
+    pseudo-tokens on both sides; at most 1 (calibration only relaxes; relax_only would cap a larger share anyway)."""
+    n_hp, n_lp = alpha_hp * num_neg + prior_tokens, alpha_lp * num_neg + prior_tokens
+    if not n_lp > 0:
+        return 1.0
+    return min(n_hp / n_lp, 1.0)
 
 
 def _toward(vanilla: float, solved: float, w: float) -> float:

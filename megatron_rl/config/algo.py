@@ -75,8 +75,8 @@ class CalibrationConfig(StrictConfig):
     """alpha (fraction of negative-advantage tokens below the lower bound) when target_source=static."""
     static_rho: Optional[NonNegativeFloat] = None
     """rho (positive/negative contribution ratio) when target_source=static."""
-    shadow_fraction: float = Field(0.5, gt=0, le=1, allow_inf_nan=False)
-    """Fraction in (0, 1] of the rows off-policy updates train on that run the high-precision shadow forwards and give the targets (same seeded draw on every rank; per_calibration's solve also takes its FP8 ratios from them); 0.5 halves the event's cost (paper: 1)."""
+    shadow_fraction: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    """Fraction in (0, 1] of the rows off-policy updates train on that run the high-precision shadow forwards and give the targets (same seeded draw on every rank; per_calibration's solve also takes its FP8 ratios from them); 1 (the paper): an event of a small batch holds only a few shadow-clipped tokens, and half of them left the targets noisier (docs/RESULTS.md section 7); 0.5 halves the event's cost."""
     backend: Literal["allgather", "histogram"] = "allgather"
     """Distributed statistics backend: allgather (exact unless subsampled) or histogram (one all-reduce)."""
     max_samples_per_rank: PositiveInt = 65536
@@ -89,8 +89,12 @@ class CalibrationConfig(StrictConfig):
     """histogram: upper edge of the binned log-ratio range."""
     lower_min: float = Field(0.05, gt=0, le=1, allow_inf_nan=False)
     """Clamp: smallest allowed calibrated lower bound L."""
-    strength: Literal["excess", "full"] = "excess"
-    """excess: the solved bounds are applied in proportion to the measured distortion, w = clamp(1 - (1 + excess_tolerance) * alpha_hp / alpha_lp, 0, 1) from each calibration event (alpha_lp: the fraction of negative tokens the low-precision ratios put below 1 - eps_low), log L = (1 - w) log(1 - eps_low) + w log L_solved, likewise H; so where low precision clips little more than high precision the vanilla bounds stay; full: the solved bounds as they are (the paper)."""
+    strength: Literal["excess", "full"] = "full"
+    """full: the solved bounds as they are (the paper; the default since pi_old follows the update's micro-batches, docs/RESULTS.md section 7); excess: the solved bounds are applied in proportion to the measured distortion, w = clamp(1 - (1 + excess_tolerance) * alpha_hp / alpha_lp, 0, 1) from each calibration event (alpha_lp: the fraction of negative tokens the low-precision ratios put below 1 - eps_low), log L = (1 - w) log(1 - eps_low) + w log L_solved, likewise H; so where low precision clips little more than high precision the vanilla bounds stay."""
+    lower_target: Literal["event_alpha", "deflated"] = "event_alpha"
+    """What fraction of negative tokens a solve puts below L: event_alpha = the last calibration event's high-precision alpha, held until the next (the paper); deflated = the solved tokens' own low-precision fraction below 1 - eps_low times the pooled alpha_hp / alpha_lp of the recent events (the measured inflation of clipping by low precision, shrunk toward none by deflate_prior_tokens), so the bounds follow how far each step moved and move only as far as the distortion."""
+    deflate_prior_tokens: float = Field(4.0, ge=0, le=1e6, allow_inf_nan=False)
+    """lower_target=deflated: pseudo-tokens added to both the high- and the low-precision count below 1 - eps_low before their ratio is taken (>= 0): with a handful of shadow tokens the deflation stays near 1 (vanilla bounds) instead of following a count of 0."""
     target_events: PositiveInt = 1
     """The targets (alpha, rho) and strength=excess's w come from the pooled token counts of this many most recent calibration events (>= 1; 1: each event alone). One event of a small batch has a few dozen tokens below 1 - eps_low; pooling trades staleness for a steadier target."""
     excess_tolerance: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)

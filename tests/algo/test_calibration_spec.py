@@ -233,8 +233,8 @@ def test_target_events_pool_the_last_events_counts_and_resume_with_them():
         adv = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
         r_hp = torch.exp(0.15 * torch.randn(n, generator=g))
         events.append((r_hp * torch.exp(noise * torch.randn(n, generator=g)), r_hp, adv))
-    one = CalibratedClipper(CalibrationConfig(enabled=True), eps_low=0.2, eps_high=0.2)
-    two = CalibratedClipper(CalibrationConfig(enabled=True, target_events=2), eps_low=0.2, eps_high=0.2)
+    one = CalibratedClipper(CalibrationConfig(enabled=True, strength="excess"), eps_low=0.2, eps_high=0.2)
+    two = CalibratedClipper(CalibrationConfig(enabled=True, strength="excess", target_events=2), eps_low=0.2, eps_high=0.2)
     for e in events:
         _event(one, *e)
         _event(two, *e)
@@ -250,9 +250,53 @@ def test_target_events_pool_the_last_events_counts_and_resume_with_them():
     assert two.alpha_lp == pytest.approx(alpha_lp)
     assert two.strength == pytest.approx(max(0.0, 1.0 - 2.0 * alpha_hp / alpha_lp), abs=1e-12)
     assert two.targets.alpha != pytest.approx(one.targets.alpha)
-    resumed = CalibratedClipper(CalibrationConfig(enabled=True, target_events=2), eps_low=0.2, eps_high=0.2)
+    resumed = CalibratedClipper(CalibrationConfig(enabled=True, strength="excess", target_events=2), eps_low=0.2, eps_high=0.2)
     resumed.load_state_dict(two.state_dict())
     nxt = events[0]
     _event(two, *nxt)
     _event(resumed, *nxt)
     assert (resumed.lower, resumed.upper, resumed.strength, resumed.targets) == (two.lower, two.upper, two.strength, two.targets)
+
+
+def test_deflated_target_follows_each_steps_own_low_precision_fraction():
+    """lower_target=deflated: a calibration event measures the share of the low-precision clipping below 1 - eps_low
+    that high precision does on the same tokens (with deflate_prior_tokens pseudo-tokens on both sides); every later
+    solve puts that share of its OWN tokens' low-precision fraction below L, so a step that moved further clips more
+    (the held alpha clips the same fraction whatever the step did). The deflation survives a resume."""
+    from megatron_rl.algo.clipper import deflation
+
+    assert deflation(0.05, 0.10, 1000, 0.0) == pytest.approx(0.5)
+    assert deflation(0.0, 0.05, 40, 4.0) == pytest.approx(4 / 6)  # 0 of 40 shadow tokens: shrunk toward 1, not 0
+    assert deflation(0.2, 0.1, 1000, 4.0) == 1.0  # never tightens
+    assert deflation(0.0, 0.0, 0, 0.0) == 1.0  # nothing measured: no deflation
+    g = torch.Generator().manual_seed(3)
+
+    def tokens(n, move, noise):
+        adv = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
+        r_hp = torch.exp(move * torch.randn(n, generator=g))
+        return r_hp * torch.exp(noise * torch.randn(n, generator=g)), r_hp, adv
+
+    cfg = CalibrationConfig(enabled=True, strength="full", lower_target="deflated", deflate_prior_tokens=0.0)
+    clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
+    r8, r_hp, adv = tokens(4000, 0.15, 0.1)
+    _event(clipper, r8, r_hp, adv)
+    neg = adv < 0
+    alpha_hp, alpha_lp = float((r_hp[neg] < 0.8).double().mean()), float((r8[neg] < 0.8).double().mean())
+    assert clipper.deflation == pytest.approx(alpha_hp / alpha_lp) and clipper.deflation < 1
+    held = CalibratedClipper(cfg.model_copy(update={"lower_target": "event_alpha"}), eps_low=0.2, eps_high=0.2)
+    _event(held, r8, r_hp, adv)
+    for move in (0.05, 0.3):  # later steps that moved less, then more, than the event's
+        nxt, _, adv2 = tokens(4000, move, 0.1)
+        neg2 = adv2 < 0
+        alpha_now = float((nxt[neg2] < 0.8).double().mean())
+        for c in (clipper, held):
+            stats = c.new_stats()
+            stats.add(nxt, adv2)
+            c.solve(stats, smooth=False, quantile="next_tokens")
+        assert clipper.alpha_solved == pytest.approx(alpha_now * clipper.deflation)
+        assert held.alpha_solved == pytest.approx(alpha_hp)
+        clipped = float((nxt[neg2] < clipper.lower).double().mean())
+        assert clipped == pytest.approx(alpha_now * clipper.deflation, abs=2e-3)
+    resumed = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
+    resumed.load_state_dict(clipper.state_dict())
+    assert resumed.deflation == clipper.deflation

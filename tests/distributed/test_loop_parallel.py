@@ -46,7 +46,8 @@ STEPS = 3
 # constant lr: the PP=2 run is stopped by train.steps=1 and resumed with train.steps=3, and a decaying schedule is
 # re-planned over the new total on resume (tests/test_checkpoint.py), which an uninterrupted run never does
 COMMON = (f"train.steps={STEPS}", "optim.lr_decay_style=constant", "precision.recipe=none", "precision.rollout_quantization=none",
-          "algo.calibration.calibrate_every=2", "algo.calibration.relax_only=false", "algo.calibration.strength=full", "tracking.log_samples=16",
+          "algo.calibration.calibrate_every=2", "algo.calibration.relax_only=false", "algo.calibration.strength=full",
+          "algo.calibration.shadow_fraction=0.5", "tracking.log_samples=16",
           "tracking.dump_ratios=true")
 SPEC = dict(quantile="next_tokens")  # per_step (the default) solves for the next step's tokens
 CALIB_KEYS = ("calib/lower", "calib/upper", "calib/alpha_target", "calib/rho_target", "calib/alpha_achieved",
