@@ -38,9 +38,10 @@ def _load(args, check_layout: bool = True, check_device: bool = True, engine_dev
 
 def cmd_train(args) -> int:
     """RL training (runs the warm start first when the config has no init checkpoint)."""
+    cfg = _load(args)  # first: a config refused at load time exits before the loop's imports (~3 CPU-s)
     from megatron_rl.loop import run
 
-    run(_load(args))
+    run(cfg)
     return 0
 
 

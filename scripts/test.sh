@@ -8,10 +8,12 @@ bash scripts/setup_cpu.sh
 # Test files run on pytest-xdist workers, one more than the cores (at most 4): most tests compute on one thread or
 # wait on a subprocess, an engine or a socket part of the time, and the extra worker keeps every core busy meanwhile
 # (measured on 2 cores: 145% CPU with 2 workers). A file stays on one worker, so its module fixtures (engines, runs)
-# are built once. The caller's own -n (e.g. -n 0 for a serial run) or -p no:xdist wins.
+# are built once. Files are handed out in the order tests/conftest.py puts them (longest first), not in xdist's default
+# order (most tests first), which starts some of the longest files last (--no-loadscope-reorder). The caller's own -n
+# (e.g. -n 0 for a serial run) or -p no:xdist wins.
 quiet=(-q)
 cores=$(nproc)
-workers=(-n "$(( cores + 1 < 4 ? cores + 1 : 4 ))" --dist loadfile)
+workers=(-n "$(( cores + 1 < 4 ? cores + 1 : 4 ))" --dist loadfile --no-loadscope-reorder)
 for arg in "$@"; do
   case "$arg" in
     -q*|-v*|--quiet|--verbose) quiet=() ;;

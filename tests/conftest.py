@@ -7,8 +7,8 @@ Usage from a test:
     # results[r] is whatever rank r passed to dist_report.report(...)
 
 A worker script calls `report(obj)` from tests/distributed/dist_report.py (or writes
-`{RUN_DISTRIBUTED_RESULT_DIR}/rank{RANK}.json` itself). Processes are started with
-`python -m torch.distributed.run --standalone`, one CPU thread each.
+`{RUN_DISTRIBUTED_RESULT_DIR}/rank{RANK}.json` itself). Ranks are started as torchrun starts them (its
+worker variables, env:// rendezvous on a free local port), without its agent process, one CPU thread each.
 
 At the end of the run, a test session that leaves a process behind fails, naming it (`pytest_sessionfinish`):
 pytest makes itself the subreaper of its descendants (Linux), so a grandchild orphaned by a killed parent
@@ -35,6 +35,60 @@ if str(REPO_ROOT) not in sys.path:
 RESULT_DIR_ENV = "RUN_DISTRIBUTED_RESULT_DIR"
 
 
+PORT_RETRIES = 3
+"""Launches tried with a fresh rendezvous port when rank 0's store found its port taken (probed free, then bound)."""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch_ranks(script: Path, nproc: int, args: Sequence[str], env: dict[str, str], out: Path,
+                  timeout: float) -> tuple[int, str, str]:
+    """Start `nproc` ranks of `script` as torchrun would start them (its worker variables, env:// rendezvous at
+    127.0.0.1, `python -u`), without torchrun's agent process (~2.4 CPU-seconds a launch); like torchrun, the first
+    rank to fail takes the others down. Returns (exit code: the first failure's, else 0; stdout; stderr)."""
+    port = _free_port()
+    stdout, stderr = open(out / "stdout", "w+"), open(out / "stderr", "w+")
+    procs = []
+    try:
+        for rank in range(nproc):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                            GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            # output to files, not pipes: a helper the ranks start (torch_shm_manager, for the tensor transport's
+            # shared memory) lives as long as an engine maps its segments and would hold a pipe open after they exit
+            procs.append(subprocess.Popen([sys.executable, "-u", str(script), *map(str, args)], env=rank_env,
+                                          stdout=stdout, stderr=stderr, text=True))
+        deadline, code, timed_out = time.monotonic() + timeout, 0, False
+        while None in [p.poll() for p in procs]:  # a list, not any(): every rank is polled, so a failure is seen
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                code = failed[0]
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+        else:
+            code = next((p.returncode for p in procs if p.returncode != 0), 0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        stdout.seek(0), stderr.seek(0)
+        texts = stdout.read(), stderr.read()
+        stdout.close(), stderr.close()
+    if timed_out:
+        raise subprocess.TimeoutExpired([str(script)], timeout, texts[0], texts[1])
+    return code, *texts
+
+
 def run_distributed(
     script_path: str | os.PathLike,
     nproc: int,
@@ -42,7 +96,7 @@ def run_distributed(
     timeout: float = 180.0,
     env: Optional[dict[str, str]] = None,
 ) -> list[Any]:
-    """Run `script_path` on `nproc` local processes via torchrun; return the per-rank JSON results (index = global rank)."""
+    """Run `script_path` on `nproc` local processes as torchrun would; return the per-rank JSON results (index = global rank)."""
     script = Path(script_path)
     if not script.exists():
         raise FileNotFoundError(script)
@@ -54,31 +108,23 @@ def run_distributed(
             p for p in (str(REPO_ROOT), str(script.parent), child_env.get("PYTHONPATH", "")) if p
         )
         child_env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", str(script), *map(str, args),
-        ]
-        # output to files, not pipes: a helper the ranks start (torch_shm_manager, for the tensor transport's shared
-        # memory) lives as long as an engine maps its segments and would hold a pipe open after the ranks exit
-        with open(Path(out) / "stdout", "w+") as stdout, open(Path(out) / "stderr", "w+") as stderr:
+        for attempt in range(PORT_RETRIES):
             try:
-                proc = subprocess.run(cmd, env=child_env, stdout=stdout, stderr=stderr, text=True, timeout=timeout)
+                code, stdout, stderr = _launch_ranks(script, nproc, args, child_env, Path(out), timeout)
             except subprocess.TimeoutExpired as exc:
-                stderr.seek(0)
-                raise AssertionError(f"{script.name} x{nproc} timed out after {timeout}s\n{stderr.read()[-4000:]}") from exc
-            stdout.seek(0)
-            stderr.seek(0)
-            proc.stdout, proc.stderr = stdout.read(), stderr.read()
-        if proc.returncode != 0:
+                raise AssertionError(f"{script.name} x{nproc} timed out after {timeout}s\n{(exc.stderr or '')[-4000:]}") from exc
+            if code == 0 or "address already in use" not in stderr.lower():
+                break
+        if code != 0:
             raise AssertionError(
-                f"{script.name} x{nproc} {' '.join(map(str, args))} failed (rc={proc.returncode})\n"
-                f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+                f"{script.name} x{nproc} {' '.join(map(str, args))} failed (rc={code})\n"
+                f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-6000:]}"
             )
         results = []
         for rank in range(nproc):
             path = Path(out) / f"rank{rank}.json"
             if not path.exists():
-                raise AssertionError(f"rank {rank} of {script.name} reported no result\n{proc.stderr[-4000:]}")
+                raise AssertionError(f"rank {rank} of {script.name} reported no result\n{stderr[-4000:]}")
             results.append(json.loads(path.read_text()))
         return results
 
@@ -107,6 +153,45 @@ def pytest_configure(config) -> None:
     if sys.platform.startswith("linux"):
         pr_set_child_subreaper = 36
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+
+
+# The longest test files, longest first (seconds of test time summed per file in a full 3-worker run on 2 cores,
+# load ~10 from the suite itself, 2026-12-03). pytest-xdist's --dist loadfile hands files out in collection order, so
+# collected alphabetically the longest files could start last and leave one worker running alone for minutes while
+# the other core idles; started first, the short files fill the gaps at the end. Files the warm start builds for
+# (rl_runs.warm_start) are interleaved with files that do not need it, so workers do not all wait on its lock.
+LONGEST_FILES_FIRST = (
+    "tests/gpu/test_run_all.py",                          # 208 s, no warm start
+    "tests/distributed/test_loop_parallel.py",            # 372 s
+    "tests/distributed/test_checkpoint_reshard.py",       # 167 s, no warm start
+    "tests/test_kv_scales_run.py",                        # 216 s
+    "tests/test_study.py",                                # 149 s
+    "tests/test_resume.py",                               # 139 s
+    "tests/distributed/test_learner_parallel.py",         # 135 s
+    "tests/test_hp_measure.py",                           # 122 s
+    "tests/test_save_kill_drill.py",                      # 116 s
+    "tests/distributed/test_colocated_tensor_sync.py",    # 109 s
+    "tests/test_overlap_placement.py",                    # 102 s
+    "tests/test_session_standin.py",                      # 102 s
+    "tests/test_rollout_config_sweep.py",                 # 75 s
+    "tests/distributed/test_weight_sync_parallel.py",     # 67 s
+    "tests/distributed/test_health_guard.py",             # 63 s
+    "tests/test_port_races.py",                           # 60 s
+    "tests/conformance/test_conformance_sglang.py",       # 60 s
+    "tests/test_loop.py",                                 # 58 s
+    "tests/test_rollout_topology.py",                     # 57 s
+    "tests/distributed/test_kv_amax_parallel.py",         # 55 s
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Run the longest files first (LONGEST_FILES_FIRST), the rest in collection order; order within a file is kept."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    position = {}
+    for item in items:
+        name = Path(str(item.fspath)).resolve().relative_to(REPO_ROOT).as_posix()
+        position[item] = rank.get(name, len(rank))
+    items.sort(key=position.__getitem__)  # stable: within a file, and among the other files, pytest's order stays
 
 
 def _helpers_ending_with_pytest() -> set[int]:
@@ -200,3 +285,58 @@ def _fresh_process_group_per_module():
         state.destroy_distributed()
         if dist.is_initialized():  # created outside parallel/state (a test's own init_process_group)
             dist.destroy_process_group()
+
+
+CPU_REPORT_FILES = 25
+"""How many test files the closing CPU-time table names (the files whose tests cost the most CPU-seconds)."""
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU-seconds of this process and of its children that have ended and been waited for (the
+    subprocesses a test runs: trainers, torchrun and its ranks, engines)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_CPU_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """Note the CPU-seconds used so far when a test's setup starts."""
+    item.stash[_CPU_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Put each test's CPU-seconds (setup, call and teardown, subprocesses included) into its teardown report."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "teardown" and _CPU_START in item.stash:
+        report.user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_START]))
+
+
+_CPU_BY_FILE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Sum the CPU-seconds per test file (on the controller, whichever xdist worker ran the test)."""
+    if report.when != "teardown":
+        return
+    cpu = dict(report.user_properties).get("cpu_s")
+    if cpu is not None:
+        name = report.nodeid.split("::")[0]
+        _CPU_BY_FILE[name] = _CPU_BY_FILE.get(name, 0.0) + cpu
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Close the run with the test files that cost the most CPU: what to trim when the suite is too slow (wall time
+    per test, --durations, counts waiting too; this counts work)."""
+    if not _CPU_BY_FILE:
+        return
+    total = sum(_CPU_BY_FILE.values())
+    terminalreporter.write_sep("=", f"CPU-seconds per test file (subprocesses included): {total:.0f} in all")
+    for name, cpu in sorted(_CPU_BY_FILE.items(), key=lambda kv: -kv[1])[:CPU_REPORT_FILES]:
+        terminalreporter.write_line(f"{cpu:8.1f}  {100 * cpu / total:5.1f}%  {name}")

@@ -230,3 +230,22 @@ def test_lifting_the_mode_over_megatrons_schedule_fails_loudly(tiny_learner, mon
     monkeypatch.setattr(pipeline_parallel, "get_forward_backward_func", lambda *a, **k: lifted)
     with pytest.raises((RuntimeError, AssertionError), match="CUDA|cuda"):
         tiny_learner.forward_logprobs(_batch(), 2)
+
+
+def test_megatron_jit_fuser_is_off_without_cuda_from_the_first_import():
+    """megatron_rl/jit_fuser_hook.py: a process that imports megatron_rl and then megatron.core gets megatron's own
+    no-op decorator in every fusion module, and never imports torch._dynamo for them (~1.5 CPU-s a process); without
+    the hook (megatron imported first) megatron's torch.compile decorators are there, so the test can fail."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\n{first}\nimport megatron.core\nimport megatron.core.jit as jit\n"
+             "from megatron.core.fusions import fused_bias_geglu as geglu\n"
+             "print(jit.jit_fuser is jit.noop_decorator, 'torch._dynamo' in sys.modules, "
+             "geglu.geglu.__code__.co_filename.endswith('fused_bias_geglu.py'))\n")
+    hooked = subprocess.run([sys.executable, "-c", probe.format(first="import megatron_rl")], capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert hooked == ["True", "False", "True"]  # the decorated function is megatron's own code
+    plain = subprocess.run([sys.executable, "-c", probe.format(first="")], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert plain == ["False", "True", "False"]  # torch.compile's wrapper

@@ -21,6 +21,10 @@ upgrade removes or changes one of them):
    ``torch.<T>`` (megatron's optimizers branch on that string). Every torch call pays for its
    Python ``__torch_function__`` (~1 us), so it is lifted where nothing needs it:
    ``run_without_compat_mode`` (the learner's transformer blocks) and ``compat_mode_suspended``.
+
+Not a patch, but part of the same layer: megatron's own ``disable_jit_fuser()`` is called the moment
+megatron.core.jit has run, so its torch.compile decorators (and torch._dynamo) stay out of CPU processes
+(megatron_rl/jit_fuser_hook.py, installed by the package's ``__init__``).
 """
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -54,9 +53,10 @@ def test_run_all_cpu_mirror(tmp_path):
 
 
 def _fake_python(tmp_path: Path, body: str) -> Path:
-    """A PYTHON whose `-c` calls are the real interpreter's and whose check scripts behave as `body` says."""
+    """A PYTHON whose `-c` probes succeed (the dependency probe imports megatron: ~3 CPU-s that the mirror test above
+    already spends for real) and whose check scripts behave as `body` says."""
     fake = tmp_path / "python"
-    fake.write_text(f'#!/usr/bin/env bash\n[ "$1" = -c ] && exec {sys.executable} "$@"\ncase "$*" in\n{body}\nesac\n')
+    fake.write_text('#!/usr/bin/env bash\n[ "$1" = -c ] && exit 0\ncase "$*" in\n' + body + '\nesac\n')
     fake.chmod(0o755)
     return fake
 
@@ -96,17 +96,17 @@ def test_a_crash_or_a_silent_script_is_a_fail(tmp_path):
 
 @pytest.mark.slow
 def test_run_image_cpu_mirror(tmp_path):
-    """run_image.sh --cpu: the FP8-vs-BF16 training check on emulated FP8, the launcher and the weight-sync checks
-    through the fake SGLang; the CUDA-build checks are SKIPs with their reasons."""
+    """run_image.sh --cpu: the FP8-vs-BF16 training check on emulated FP8 and the weight-sync checks through the fake
+    SGLang; the CUDA-build checks are SKIPs with their reasons, and so is the launcher check (run_all.sh --cpu runs it)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", RUN_ALL_LOGS=str(tmp_path))
     proc = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "run_image.sh"), "--cpu"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=2400)
     lines = parse(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [(st, s) for st, s, _ in lines if st == "SKIP"] == [("SKIP", "one_environment"), ("SKIP", "fp8_device_check")]
+    assert [(st, s) for st, s, _ in lines if st == "SKIP"] == [("SKIP", "one_environment"), ("SKIP", "fp8_device_check"),
+                                                                ("SKIP", "sglang_launch_check")]
     assert checks(lines, "te_training_check") == {"bf16_learns": "PASS", "blockwise_tracks_bf16": "PASS",
                                                   "broken_recipe_is_caught": "PASS"}
-    assert checks(lines, "sglang_launch_check") == {"fp8-blockwise/fp8_e4m3": "PASS"}
     assert checks(lines, "sglang_sync_check") == {"tensor_before_sync": "PASS", "tensor_sync": "PASS",
                                                   "distributed_before_sync": "PASS", "distributed_sync": "PASS"}
-    assert proc.stdout.splitlines()[-1] == "8 passed, 0 failed, 2 skipped"
+    assert proc.stdout.splitlines()[-1] == "7 passed, 0 failed, 3 skipped"
