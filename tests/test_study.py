@@ -210,6 +210,20 @@ def test_dose_report_refuses_two_arms_in_one_cell(tmp_path):
         write_dose_report(study)
 
 
+def test_a_shadow_fraction_other_than_the_default_is_a_variant_of_its_own(tmp_path, monkeypatch):
+    from megatron_rl.study.dose import arm_dose, dose_table
+
+    assert arm_dose({"precision.recipe": "blockwise", "algo.calibration.enabled": True,
+                     "algo.calibration.shadow_fraction": 0.5}) == (1.0, "calibrated, shadow_fraction=0.5")
+    # the committed dose specs hold the default, its shadow-0.5 variant and the excess rule at k = 1: one cell each
+    monkeypatch.chdir(tmp_path)  # output_dir is relative to it: nothing ran there, every cell is n/a
+    for name in ("deep_addtrace_dose.yaml", "deep_addtrace_dose_s456.yaml"):
+        study = load_study(REPO / "examples" / "studies" / name)
+        text, _ = dose_table(study)
+        header = next(line for line in text.splitlines() if line.startswith("| metric |"))
+        assert header.count(" | ") == sum(a.name != "hp" for a in study.spec.arms) + 1, header
+
+
 def test_malformed_metrics_come_from_the_rows_and_the_final_state():
     rows = [{"step": s, "malformed/train": m} for s, m in enumerate([0.1, 0.6, 0.2, 0.3, 0.5])]
     by = {m.label: m for m in results.METRICS}

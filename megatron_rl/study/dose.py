@@ -4,7 +4,8 @@
 
 Each arm's k is its `algo.experimental.clip_error_scale` override (1 without one), and its variant is `vanilla`, or
 `calibrated` when it sets `algo.calibration.enabled: true` (`calibrated, strength=full`, `calibrated, target_events=4`
-and the like when it also overrides other `algo.calibration.*` settings than shadow_fraction); arms with a recipe of none are the high-precision reference. For every
+and the like when it also overrides other `algo.calibration.*` settings, shadow_fraction where it is not the default);
+arms with a recipe of none are the high-precision reference. For every
 (k, variant) pair the table gives mean [min, max] over finished seeds of the metrics below (definitions:
 megatron_rl/study/results.py); the figure draws them against k, vanilla and calibrated, with the reference's
 seed range as a band. Pure reading of finished runs: nothing is trained here.
@@ -15,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_rl.config.algo import CalibrationConfig
 from megatron_rl.study import StudyError, results
 
 DOSE_METRICS = ("clipfrac_lower_neg", "reward (mean)", "reward (last)", "entropy (last)", "entropy (max)",
@@ -41,14 +43,15 @@ def arm_dose(overrides: dict[str, Any]) -> tuple[Optional[float], str]:
         return k, "vanilla"
     # every calibration setting but those that only feed the instrument or the cost names the variant
     settings = sorted((key.removeprefix(CALIBRATION), value) for key, value in overrides.items()
-                      if key.startswith(CALIBRATION) and key not in NOT_A_VARIANT)
+                      if key.startswith(CALIBRATION) and key != f"{CALIBRATION}enabled"
+                      and not (key == f"{CALIBRATION}shadow_fraction" and float(value) == DEFAULT_SHADOW_FRACTION))
     return k, ", ".join(["calibrated", *(f"{key}={value}" for key, value in settings)])
 
 
 CALIBRATION = "algo.calibration."
-NOT_A_VARIANT = ("algo.calibration.enabled", "algo.calibration.shadow_fraction")
-"""Calibration overrides that do not make an arm another variant: shadow_fraction only sets how many rows the shadow
-pass sees (the k > 1 arms need all of them)."""
+DEFAULT_SHADOW_FRACTION = CalibrationConfig.model_fields["shadow_fraction"].default
+"""An arm that sets shadow_fraction to the default is the default calibration (the k > 1 arms spell it out); any other
+value is a variant of its own (the shadow sees fewer rows, its targets are noisier)."""
 
 
 def _variant_order(variant: str) -> tuple[int, str]:
