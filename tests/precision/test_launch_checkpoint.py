@@ -162,29 +162,37 @@ def test_a_dead_builders_lock_is_broken(tmp_path):
     assert sorted(os.listdir(weights)) == ["launch_fp8-blockwise"]
 
 
-def test_a_live_builder_is_waited_for(tmp_path):
-    """A lock whose heartbeat keeps changing is not broken: the waiter times out instead of building beside it."""
+def test_a_live_builder_is_waited_for(tmp_path, monkeypatch):
+    """A lock whose heartbeat keeps changing is not broken: the waiter times out instead of building beside it.
+
+    On a fake clock: the live builder beats once per poll, whatever the box's load (a real-time beater thread was
+    starved past stale_after_s on a loaded box and the lock was rightly broken)."""
+    from megatron_rl.convert import shared_dir
+
     hf = _source(tmp_path)
     weights = tmp_path / "weights"
     lock = weights / "launch_fp8-blockwise.lock"
     lock.mkdir(parents=True)
     (lock / "owner.json").write_text(json.dumps({"host": "elsewhere", "pid": 1, "token": "z"}))
-    import threading
 
-    stop = threading.Event()
+    class LiveBuilderClock:
+        """time for shared_dir: each sleep advances the clock by its length and the builder beats once."""
+        now, beats = 0.0, 0
 
-    def beat():
-        n = 0
-        while not stop.wait(0.05):
-            n += 1
-            (lock / "heartbeat").write_text(str(n))
+        def monotonic(self):
+            return self.now
 
-    t = threading.Thread(target=beat)
-    t.start()
-    try:
-        with pytest.raises(TimeoutError, match="launch_fp8-blockwise.lock"):
-            write_launch_checkpoint(hf, BLOCKWISE, str(weights), poll_s=0.01, stale_after_s=0.5, timeout_s=1.5)
-    finally:
-        stop.set()
-        t.join()
+        def time(self):
+            return self.now
+
+        def sleep(self, seconds):
+            self.now += seconds
+            self.beats += 1
+            (lock / "heartbeat").write_text(str(self.beats))
+
+    clock = LiveBuilderClock()
+    monkeypatch.setattr(shared_dir, "time", clock)
+    with pytest.raises(TimeoutError, match="launch_fp8-blockwise.lock"):
+        write_launch_checkpoint(hf, BLOCKWISE, str(weights), poll_s=0.01, stale_after_s=0.5, timeout_s=1.5)
+    assert clock.beats >= 1.5 / 0.01  # it waited the whole timeout, seeing the lock alive at every poll
     assert not (weights / "launch_fp8-blockwise").exists()
