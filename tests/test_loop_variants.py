@@ -1,7 +1,8 @@
 """The RL loop under every loss aggregation mode, DAPO dynamic sampling, a NaN injected mid-run, and the health
 stops (overflow, collapse toward uniform and toward deterministic, a reward drop judged against the weights that
 generated the rewards, sync and one_step_off, then a resume), each a tiny run of a few steps (high precision, no
-calibration) in one worker process against one in-process engine (tests/loop_variants_worker.py)."""
+calibration), and Calibrated Clipping with lower_target=agreement on an FP8 learner, in one worker process against one
+in-process engine (tests/loop_variants_worker.py)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,8 @@ WORKER = Path(__file__).with_name("loop_variants_worker.py")
 AGG = AGG_MODES.names()
 DAPO = "algo.dapo.dynamic_sampling=true,algo.policy_loss.eps_high=0.28"
 DROP = "train.health.reward_drop=0.9,train.health.window=1"  # the dropK hook: rewards in [1, 1.1] before step K, 0 from it
+AGREEMENT = ("precision.recipe=tensorwise,algo.calibration.enabled=true,algo.calibration.lower_target=agreement,"
+             "algo.calibration.calibrate_every=1,train.steps=3")
 
 
 def _dapo_train_file(warm: Path, out: Path) -> Path:
@@ -52,7 +55,8 @@ def runs(tmp_path_factory) -> Path:
                                                                         "lr2:optim.lr=2.0,train.steps=3",
                                                                         f"drop3:{DROP},train.steps=6",
                                                                         f"drop4off:{DROP},train.steps=6,rollout.overlap=one_step_off",
-                                                                        "drop4off+resume:train.steps=3,rollout.overlap=one_step_off"]
+                                                                        "drop4off+resume:train.steps=3,rollout.overlap=one_step_off",
+                                                                        f"agreement:{AGREEMENT}"]
     proc = subprocess.run([sys.executable, str(WORKER), str(warm), str(out), *cases], env=cli_env(), capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -187,3 +191,22 @@ def test_one_step_off_reward_drop_keeps_the_vouched_checkpoint_and_resumes_from_
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 2 retrained from step_1's weights and its saved batch
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1] and resumed["served_version"] == "3"
     assert _steps(runs, "drop4off+resume") == [1, 2]
+
+
+@pytest.mark.slow
+def test_agreement_calibration_trains_and_reports_its_choice(runs):
+    """lower_target=agreement through the real loop (FP8 tensorwise learner, an event every step): every step trains,
+    the event's scores reach the metrics, and the bounds the next step trains with hold the chosen alpha."""
+    rows = _rows(runs, "agreement")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["learner/update_skipped"] == 0.0
+        lower, upper = r["calib/lower"], r["calib/upper"]
+        assert 0.05 <= lower <= 0.8 and 1.2 <= upper <= 10.0, r
+        for key in ("calib/agreement_lower", "calib/agreement_precision", "calib/agreement_recall"):
+            assert key in r, key
+        chosen, recall = r["calib/agreement_lower"], r["calib/agreement_recall"]
+        if math.isnan(chosen):  # the shadow clipped nothing: every clip would be wrong
+            assert r["calib/alpha_solved"] == 0.0
+        else:
+            assert 0.05 <= chosen <= 0.8 and 0.0 <= recall <= 1.0 and 0.0 <= r["calib/alpha_solved"] <= 1.0

@@ -30,7 +30,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from megatron_rl.algo.calibration import BoundsSolution, CalibrationTargets, RatioStats, solve_bounds, targets_from_sums
+from megatron_rl.algo.calibration import (Agreement, BoundsSolution, CalibrationTargets, RatioStats, agreement_counts,
+                                         agreement_grid, best_agreement, solve_bounds, targets_from_sums)
 from megatron_rl.algo.ratio_stats import HistSpec
 from megatron_rl.config.algo import AlgoConfig, CalibrationConfig
 
@@ -65,12 +66,19 @@ class CalibratedClipper:
         """The fraction of negative tokens the last solve aimed below L (the held alpha, or the deflated one)."""
         self.events: list[list[float]] = []
         """Per recent calibration event (at most cfg.target_events): its reference sums, then its low-precision
-        (|N below 1 - eps_low|, |N|); the targets and w pool them."""
+        (|N below 1 - eps_low|, |N|), then (lower_target=agreement) its `agreement_counts`; the targets and w pool them."""
+        self.agreement: Optional[Agreement] = None
+        """lower_target=agreement: the best-agreeing candidate of the recent events, whose alpha later solves hold."""
+        self.grid: Optional[list[float]] = None
+        if cfg.lower_target == "agreement":
+            top = min(1.0 - self.eps_low, cfg.lower_max) if cfg.relax_only else cfg.lower_max
+            self.grid = agreement_grid(min(cfg.lower_min, top), top, cfg.agreement_points)
 
     def new_stats(self, *, fp8: bool = True, reference: bool = False, record: bool = False, weighted: bool = False) -> RatioStats:
         """An empty `RatioStats` with this clipper's backend, eps and bins (`weighted`: tokens carry weights)."""
         return RatioStats(self.cfg.backend, fp8=fp8, reference=reference, eps_low=self.eps_low, eps_high=self.eps_high,
-                          hist_spec=self.hist_spec, record=record, weighted=weighted)
+                          hist_spec=self.hist_spec, record=record, weighted=weighted,
+                          agreement=reference and self.grid is not None)
 
     def solve(self, stats: RatioStats, group: Optional[object] = None, *, smooth: bool = True,
               quantile: str = "same_tokens") -> Optional[BoundsSolution]:
@@ -82,7 +90,10 @@ class CalibratedClipper:
         if event is not None:
             fp8 = reduced.fp8
             lp = [fp8.neg_count_below(1.0 - self.eps_low), fp8.num_neg] if fp8 is not None else [0.0, 0.0]
-            self.events = (self.events + [list(event.sums) + lp])[-c.target_events:]
+            scored = agreement_counts(reduced.agreement, self.grid) if reduced.agreement is not None else []
+            # an event recorded under another rule (a resume that switched it on) has no counts: it cannot pool
+            width = 7 + len(scored)
+            self.events = ([e for e in self.events if len(e) == width] + [list(event.sums) + lp + scored])[-c.target_events:]
             pooled = [sum(col) for col in zip(*self.events)]
             event = targets_from_sums(pooled[:5])
             self.targets = event.merged_into(self.targets)
@@ -94,7 +105,12 @@ class CalibratedClipper:
                 self.strength = excess_strength(event.alpha, self.alpha_lp, c.excess_tolerance)
             if c.lower_target == "deflated":
                 self.deflation = deflation(event.alpha, self.alpha_lp, event.num_neg, c.deflate_prior_tokens)
+        if event is not None and self.grid is not None and len(pooled) > 7:
+            self.agreement = best_agreement(pooled[7:], self.grid, num_neg=pooled[0], num_hp_clipped=pooled[1],
+                                            beta=c.agreement_beta) or self.agreement
         targets = self.targets
+        if self.agreement is not None:
+            targets = CalibrationTargets(self.agreement.alpha, targets.rho, targets.num_neg, targets.num_pos, targets.sums)
         if c.lower_target == "deflated" and reduced.fp8.num_neg > 0:
             alpha_now = reduced.fp8.neg_count_below(1.0 - self.eps_low) / reduced.fp8.num_neg
             targets = CalibrationTargets(alpha_now * self.deflation, targets.rho, targets.num_neg, targets.num_pos, targets.sums)
@@ -134,6 +150,9 @@ class CalibratedClipper:
             "calib/rho_achieved": last.rho_achieved if last is not None else math.nan,
             "calib/strength": self.strength, "calib/alpha_lp": self.alpha_lp,
             "calib/deflation": self.deflation, "calib/alpha_solved": self.alpha_solved,
+            **({} if self.grid is None else {
+                f"calib/agreement_{k}": getattr(self.agreement, k) if self.agreement is not None else math.nan
+                for k in ("lower", "precision", "recall")}),
         }
 
     @staticmethod
@@ -160,6 +179,7 @@ class CalibratedClipper:
             "events": [list(e) for e in self.events],
             "deflation": self.deflation,
             "alpha_solved": self.alpha_solved,
+            "agreement": None if self.agreement is None else self.agreement._asdict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -180,6 +200,8 @@ class CalibratedClipper:
         # checkpoints from before lower_target=deflated
         self.deflation = float(state.get("deflation", 1.0))
         self.alpha_solved = float(state.get("alpha_solved", math.nan))
+        agreement = state.get("agreement")
+        self.agreement = None if agreement is None else Agreement(**{k: float(v) for k, v in agreement.items()})
 
 
 def excess_strength(alpha_hp: float, alpha_lp: float, tolerance: float) -> float:

@@ -300,3 +300,106 @@ def test_deflated_target_follows_each_steps_own_low_precision_fraction():
     resumed = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
     resumed.load_state_dict(clipper.state_dict())
     assert resumed.deflation == clipper.deflation
+
+
+def _f_beta_reference(r8, r_hp, adv, grid, beta, eps_low=0.2):
+    """Independent numpy scoring of lower_target=agreement: every grid L's clips against the shadow's, token by token."""
+    neg = adv < 0
+    lp, hp_clipped = np.asarray(r8, np.float64)[neg], np.asarray(r_hp, np.float64)[neg] < 1.0 - eps_low
+    best = None
+    for L in grid:
+        clipped = lp < L
+        tp = float((clipped & hp_clipped).sum())
+        score = (1 + beta ** 2) * tp / (beta ** 2 * hp_clipped.sum() + clipped.sum())
+        if best is None or score >= best[0]:  # ties: the larger L
+            best = (score, L, float(clipped.mean()), tp / max(clipped.sum(), 1), tp / hp_clipped.sum())
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(50, 800), st.floats(0.0, 0.4), st.sampled_from([0.5, 1.0, 2.0]),
+       st.integers(1, 4))
+def test_agreement_picks_the_bound_whose_clips_agree_best_with_the_shadow(seed, n, noise, beta, parts):
+    """lower_target=agreement: the event's chosen L is the grid candidate with the best F_beta of its low-precision
+    clip decisions against the shadow's (brute force over the tokens here), and the alpha later solves hold is the
+    fraction of negative tokens below it; without noise that is the shadow's own alpha at the vanilla bound."""
+    from megatron_rl.algo.calibration import agreement_grid
+
+    r8, r_hp, adv = _tokens(seed, n, noise, 0.15)
+    neg = (adv < 0).numpy()
+    if not (r_hp.numpy()[neg] < 0.8).any():
+        return  # the shadow clips nothing: test_agreement_without_shadow_clipping covers it
+    cfg = CalibrationConfig(enabled=True, lower_target="agreement", agreement_beta=beta, agreement_points=48)
+    clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.28)
+    stats = clipper.new_stats(reference=True)
+    for idx in torch.arange(n).chunk(parts):
+        stats.add(r8[idx], adv[idx], ratio_hp=r_hp[idx])
+    clipper.solve(stats, smooth=False)
+    grid = agreement_grid(0.05, 0.8, 48)
+    assert grid[-1] == 0.8 and len(grid) == 48
+    score, L, alpha, precision, recall = _f_beta_reference(r8.numpy(), r_hp.numpy(), adv.numpy(), grid, beta)
+    got = clipper.agreement
+    assert got.lower == pytest.approx(L, rel=1e-12)
+    assert got.alpha == pytest.approx(alpha, rel=1e-12)
+    assert got.recall == pytest.approx(recall, rel=1e-12)
+    assert clipper.alpha_solved == pytest.approx(alpha, rel=1e-12)  # the solve puts that fraction below L
+    if noise == 0.0:
+        assert got.lower == 0.8 and got.precision == got.recall == 1.0
+        assert got.alpha == pytest.approx(clipper.targets.alpha, rel=1e-12)
+
+
+def test_agreement_without_shadow_clipping_targets_none_and_pools_and_resumes():
+    """An event where high precision clips nothing has no agreement to score: alpha 0 (every clip would be wrong),
+    and lower_floor keeps the lowest ratio; target_events=2 pools the counts (= one event on the concatenated tokens);
+    the choice survives a resume and the metrics report it."""
+    g = torch.Generator().manual_seed(7)
+
+    def tokens(n, move, noise):
+        adv = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
+        r_hp = torch.exp(move * torch.randn(n, generator=g))
+        return r_hp * torch.exp(noise * torch.randn(n, generator=g)), r_hp, adv
+
+    cfg = CalibrationConfig(enabled=True, lower_target="agreement")
+    quiet = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
+    r8, r_hp, adv = tokens(400, 0.01, 0.2)
+    assert not (r_hp < 0.8).any() and (r8[adv < 0] < 0.8).any()
+    _event(quiet, r8, r_hp, adv)
+    assert quiet.agreement.alpha == 0.0 and math.isnan(quiet.agreement.lower)
+    assert quiet.lower == pytest.approx(float(r8[adv < 0].min()))
+    a, b = tokens(500, 0.15, 0.2), tokens(700, 0.2, 0.1)
+    pooled = CalibratedClipper(cfg.model_copy(update={"target_events": 2}), eps_low=0.2, eps_high=0.2)
+    _event(pooled, *a)
+    _event(pooled, *b)
+    whole = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
+    _event(whole, *(torch.cat([x, y]) for x, y in zip(a, b)))
+    assert pooled.agreement.lower == whole.agreement.lower
+    assert pooled.agreement.alpha == pytest.approx(whole.agreement.alpha, rel=1e-12)
+    alone = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
+    _event(alone, *b)
+    assert alone.agreement != pooled.agreement
+    resumed = CalibratedClipper(cfg.model_copy(update={"target_events": 2}), eps_low=0.2, eps_high=0.2)
+    resumed.load_state_dict(pooled.state_dict())
+    assert resumed.agreement == pooled.agreement
+    nxt = tokens(600, 0.1, 0.15)
+    for c in (pooled, resumed):
+        stats = c.new_stats()
+        stats.add(nxt[0], nxt[2])
+        c.solve(stats, smooth=False, quantile="next_tokens")
+    assert (resumed.lower, resumed.upper) == (pooled.lower, pooled.upper)
+    m = pooled.metrics()
+    assert m["calib/agreement_lower"] == pooled.agreement.lower and m["calib/alpha_solved"] == pooled.agreement.alpha
+    assert "calib/agreement_lower" not in CalibratedClipper(CalibrationConfig(enabled=True), eps_low=0.2, eps_high=0.2).metrics()
+
+
+def test_agreement_histogram_backend_is_within_a_bin_of_the_exact_one():
+    """The histogram backend counts each candidate's clips within one bin of the exact samples: same choice or a
+    neighbour of nearly the same score."""
+    r8, r_hp, adv = _tokens(11, 3000, 0.15, 0.2)
+    got = {}
+    for backend in ("allgather", "histogram"):
+        c = CalibratedClipper(CalibrationConfig(enabled=True, lower_target="agreement", backend=backend), eps_low=0.2, eps_high=0.2)
+        _event(c, r8, r_hp, adv)
+        got[backend] = c.agreement
+    exact, hist = got["allgather"], got["histogram"]
+    assert abs(math.log(hist.lower) - math.log(exact.lower)) <= 2 * math.log(0.8 / 0.05) / 63
+    assert hist.alpha == pytest.approx(exact.alpha, abs=0.01)
