@@ -69,7 +69,7 @@ def test_rl_loss_clips_at_its_bounds_and_taps_the_plans_tokens(fraction, mode):
     batch = batch.with_fields(old_logprobs=old, old_logprobs_hp=old_hp, logprobs_hp=cur_hp)
     logprobs = (old + 0.3 * torch.randn_like(old)).requires_grad_()
     algo = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1, smoothing=0.0, shadow_fraction=fraction,
-                                                    bounds_update=mode))
+                                                    bounds_update=mode, lower_target="event_alpha"))
     plan = CalibrationPlan.build(0, algo.calibration, TrainConfig(num_minibatches=2), batch_size=8)
     clipper = CalibratedClipper(algo.calibration, eps_low=0.2, eps_high=0.2)
     stats = clipper.new_stats(reference=True, record=True)

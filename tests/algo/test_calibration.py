@@ -176,7 +176,7 @@ def test_calibrated_bounds_zero_gradient_exactly_for_clipped(seed, alpha):
 
 def _cfg(**kw):
     kw.setdefault("relax_only", False)
-    return CalibrationConfig(enabled=True, strength="full", lower_min=1e-3, upper_max=100.0, **kw)
+    return CalibrationConfig(enabled=True, strength="full", lower_target="event_alpha", lower_min=1e-3, upper_max=100.0, **kw)
 
 
 def _event(c: CalibratedClipper, r8, a, r_hp=None, parts: int = 1):
@@ -373,7 +373,8 @@ def test_make_clipper_and_histogram_backend():
     from megatron_rl.config.algo import AlgoConfig
 
     assert make_clipper(AlgoConfig()) is None
-    cfg = AlgoConfig.model_validate({"policy_loss": {"eps_high": 0.28}, "calibration": {"enabled": True, "backend": "histogram", "smoothing": 0.0}})
+    cfg = AlgoConfig.model_validate({"policy_loss": {"eps_high": 0.28}, "calibration": {"enabled": True, "backend": "histogram", "smoothing": 0.0,
+                                                                                             "lower_target": "event_alpha"}})
     c = make_clipper(cfg)
     assert c.cfg.relax_only  # the default guard rail
     g = torch.Generator().manual_seed(2)

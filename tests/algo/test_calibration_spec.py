@@ -30,7 +30,7 @@ def _tokens(seed: int, n: int, noise: float, hp_scale: float):
        st.integers(1, 5))
 def test_solve_matches_the_spec(seed, n, noise, hp_scale, relax_only, parts):
     r8, r_hp, adv = _tokens(seed, n, noise, hp_scale)
-    clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", smoothing=0.0, relax_only=relax_only),
+    clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", lower_target="event_alpha", smoothing=0.0, relax_only=relax_only),
                                 eps_low=0.2, eps_high=0.28)
     stats = clipper.new_stats(reference=True)
     for idx in torch.arange(n).chunk(parts):  # micro-batches add locally, one solve
@@ -58,9 +58,10 @@ def test_spec_checker_fails_on_a_wrong_quantile():
     assert want.lower_raw != negs[k - 1] and want.lower_raw != negs[k + 1]
 
 
-def _event_rows(tmp_path, events):
+def _event_rows(tmp_path, events, lower_target="event_alpha"):
     """Solve each pooled token set in turn with one clipper (EMA on), writing the dumps and metrics rows a run would."""
-    clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", smoothing=0.5, relax_only=False), eps_low=0.2, eps_high=0.2)
+    clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", lower_target=lower_target, smoothing=0.5,
+                                                  relax_only=False), eps_low=0.2, eps_high=0.2)
     rows = []
     for step, (r8, r_hp, adv) in enumerate(events):
         stats = clipper.new_stats(reference=True)
@@ -74,9 +75,11 @@ def _event_rows(tmp_path, events):
     return rows
 
 
-def test_events_missing_a_sign_keep_the_previous_targets(tmp_path):
+@pytest.mark.parametrize("lower_target", ["event_alpha", "agreement"])
+def test_events_missing_a_sign_keep_the_previous_targets(tmp_path, lower_target):
     """Which signs a run's shadow rows hold depends on the machine's rollouts: the checker of run dumps must follow the
-    spec in every case (both signs, negative only, positive only, no tokens), and fail on a target the spec does not keep."""
+    spec in every case (both signs, negative only, positive only, no tokens), and fail on a target the spec does not keep;
+    under lower_target=agreement it also recomputes each event's chosen L and the alpha the solves hold."""
     from calibration_spec import check_run_dumps
 
     (tmp_path / "calibration").mkdir()
@@ -84,7 +87,13 @@ def test_events_missing_a_sign_keep_the_previous_targets(tmp_path):
     neg, pos = adv < 0, adv > 0
     events = [(r8, r_hp, adv), (r8, r_hp, adv * neg), (r8, r_hp, adv * pos), (r8[:0], r_hp[:0], adv[:0]),
               (r8.flip(0), r_hp, adv)]
-    rows = _event_rows(tmp_path, events)
+    rows = _event_rows(tmp_path, events, lower_target)
+    if lower_target == "agreement":
+        assert rows[0]["calib/alpha_solved"] != rows[0]["calib/alpha_target"]  # the agreement alpha, not the shadow's
+        bad = [dict(r) for r in rows]
+        bad[4]["calib/alpha_solved"] = rows[0]["calib/alpha_target"]
+        with pytest.raises(AssertionError, match="step 4"):
+            check_run_dumps(tmp_path, bad, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False)
     assert check_run_dumps(tmp_path, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False) == [0, 1, 2, 3, 4]
     # the negative-only event keeps event 0's rho (its own shadow pass would say 0): a checker that took rho from
     # the event's own tokens must fail here
@@ -106,7 +115,7 @@ def test_per_step_solve_matches_the_spec(seed, n, noise, hp_scale, relax_only, p
     tokens (type-6 quantile); the next, ordinary step solves its own tokens at those held targets."""
     r8, r_hp, adv = _tokens(seed, n, noise, hp_scale)
     known = torch.rand(n, generator=torch.Generator().manual_seed(seed + 1)) < shadow
-    clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", relax_only=relax_only), eps_low=0.2, eps_high=0.28)
+    clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", lower_target="event_alpha", relax_only=relax_only), eps_low=0.2, eps_high=0.28)
     stats = clipper.new_stats(reference=True)
     for idx in torch.arange(n).chunk(parts):
         stats.add(r8[idx], adv[idx], ratio_hp=r_hp[idx], hp_mask=known[idx])
@@ -158,7 +167,7 @@ def test_alpha_zero_keeps_a_lower_trust_region(backend, floor):
     adv = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
     r_hp = 1.0 + 0.02 * torch.randn(n, generator=g)  # nothing below 1 - eps_low: alpha = 0
     r8 = r_hp * torch.exp(0.15 * torch.randn(n, generator=g))
-    cfg = CalibrationConfig(enabled=True, strength="full", backend=backend, lower_floor=floor)
+    cfg = CalibrationConfig(enabled=True, strength="full", lower_target="event_alpha", backend=backend, lower_floor=floor)
     clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.28)
     stats = clipper.new_stats(reference=True)
     stats.add(r8, adv, ratio_hp=r_hp)
@@ -197,7 +206,7 @@ def test_excess_strength_keeps_vanilla_bounds_until_the_distortion_is_large(nois
     r8 = r_hp * torch.exp(noise * torch.randn(n, generator=g))
     held = {}
     for strength in ("full", "excess"):
-        clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength=strength), eps_low=0.2, eps_high=0.2)
+        clipper = CalibratedClipper(CalibrationConfig(enabled=True, strength=strength, lower_target="event_alpha"), eps_low=0.2, eps_high=0.2)
         stats = clipper.new_stats(reference=True)
         stats.add(r8, adv, ratio_hp=r_hp)
         sol = clipper.solve(stats, smooth=False)
@@ -233,8 +242,8 @@ def test_target_events_pool_the_last_events_counts_and_resume_with_them():
         adv = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
         r_hp = torch.exp(0.15 * torch.randn(n, generator=g))
         events.append((r_hp * torch.exp(noise * torch.randn(n, generator=g)), r_hp, adv))
-    one = CalibratedClipper(CalibrationConfig(enabled=True, strength="excess"), eps_low=0.2, eps_high=0.2)
-    two = CalibratedClipper(CalibrationConfig(enabled=True, strength="excess", target_events=2), eps_low=0.2, eps_high=0.2)
+    one = CalibratedClipper(CalibrationConfig(enabled=True, strength="excess", lower_target="event_alpha"), eps_low=0.2, eps_high=0.2)
+    two = CalibratedClipper(CalibrationConfig(enabled=True, strength="excess", lower_target="event_alpha", target_events=2), eps_low=0.2, eps_high=0.2)
     for e in events:
         _event(one, *e)
         _event(two, *e)
@@ -250,7 +259,7 @@ def test_target_events_pool_the_last_events_counts_and_resume_with_them():
     assert two.alpha_lp == pytest.approx(alpha_lp)
     assert two.strength == pytest.approx(max(0.0, 1.0 - 2.0 * alpha_hp / alpha_lp), abs=1e-12)
     assert two.targets.alpha != pytest.approx(one.targets.alpha)
-    resumed = CalibratedClipper(CalibrationConfig(enabled=True, strength="excess", target_events=2), eps_low=0.2, eps_high=0.2)
+    resumed = CalibratedClipper(CalibrationConfig(enabled=True, strength="excess", lower_target="event_alpha", target_events=2), eps_low=0.2, eps_high=0.2)
     resumed.load_state_dict(two.state_dict())
     nxt = events[0]
     _event(two, *nxt)
@@ -388,7 +397,7 @@ def test_agreement_without_shadow_clipping_targets_none_and_pools_and_resumes():
     assert (resumed.lower, resumed.upper) == (pooled.lower, pooled.upper)
     m = pooled.metrics()
     assert m["calib/agreement_lower"] == pooled.agreement.lower and m["calib/alpha_solved"] == pooled.agreement.alpha
-    assert "calib/agreement_lower" not in CalibratedClipper(CalibrationConfig(enabled=True), eps_low=0.2, eps_high=0.2).metrics()
+    assert "calib/agreement_lower" not in CalibratedClipper(CalibrationConfig(enabled=True, lower_target="event_alpha"), eps_low=0.2, eps_high=0.2).metrics()
 
 
 def test_agreement_histogram_backend_is_within_a_bin_of_the_exact_one():
