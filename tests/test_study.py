@@ -430,3 +430,70 @@ def test_search_stages_reuse_the_earlier_stages_runs():
         for arm, seed in earlier.runs():
             assert (arm, seed) in later.runs()
             assert earlier.run_config(arm, seed, warm_e) == later.run_config(arm, seed, warm_l), (arm, seed)
+
+
+def test_paired_summary_against_brute_force():
+    from itertools import product
+
+    from megatron_rl.study.dose import paired_summary
+
+    diffs = [3.0, -1.0, 2.5, 4.0, -0.5, 1.5]
+    st = paired_summary(diffs)
+    d = np.array(diffs)
+    assert (st["n"], st["above"], st["below"]) == (6, 4, 2)
+    assert st["mean"] == pytest.approx(d.mean()) and st["sd"] == pytest.approx(d.std(ddof=1))
+    assert st["se"] == pytest.approx(d.std(ddof=1) / math.sqrt(6))
+    # exact sign flips, counted independently: arrangements whose |mean| reaches the observed one
+    hits = sum(abs(np.dot(s, d)) / 6 >= abs(d.mean()) - 1e-12 for s in product((-1, 1), repeat=6))
+    assert st["p"] == pytest.approx(hits / 64)
+    assert st["lo"] < d.mean() < st["hi"] and min(diffs) <= st["lo"] and st["hi"] <= max(diffs)
+    # a difference of one sign on every seed: only the two all-same-sign arrangements reach it
+    assert paired_summary([1.0, 2.0, 3.0, 4.0, 5.0])["p"] == pytest.approx(2 / 32)
+    # Monte Carlo beyond 2^n > resamples: close to the exact value
+    many = list(np.random.default_rng(3).normal(0.5, 2.0, 20))
+    exact = np.mean([abs(np.dot(s, many)) / 20 >= abs(np.mean(many)) - 1e-12
+                     for s in np.random.default_rng(4).choice((-1, 1), size=(200_000, 20))])
+    assert paired_summary(many)["p"] == pytest.approx(exact, abs=0.02)
+    one = paired_summary([2.0, float("nan")])
+    assert one["n"] == 1 and one["mean"] == 2.0 and math.isnan(one["p"]) and math.isnan(one["lo"])
+
+
+def test_dose_report_pairs_each_variant_with_vanilla_seed_by_seed(tmp_path):
+    from megatron_rl.study.dose import write_dose_report
+
+    arms = [{"name": "hp", "overrides": {}},
+            {"name": "fp8", "overrides": {"precision.recipe": "blockwise"}},
+            {"name": "fp8_calib", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True}},
+            {"name": "fp8_k4", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 4.0}}]
+    study = load_study(_spec(tmp_path, arms=arms, seeds=[1, 2, 3]))
+    # eval_after = 0.2 + k: calib - vanilla = +0.10, -0.05, +0.20 by seed; hp ran seeds 1 and 2 only; fp8_k4 seed 3 only
+    for arm, seed, k in (("fp8", 1, 0.5), ("fp8", 2, 0.6), ("fp8", 3, 0.4), ("fp8_calib", 1, 0.6), ("fp8_calib", 2, 0.55),
+                         ("fp8_calib", 3, 0.6), ("hp", 1, 0.7), ("hp", 2, 0.7), ("fp8_k4", 3, 0.3)):
+        _fake_run(study, arm, seed, k, dumps=False)
+    text = write_dose_report(study).read_text()
+    rows = {tuple(c.strip() for c in ln.split("|")[1:3]): [c.strip() for c in ln.split("|")[3:-1]]
+            for ln in text.splitlines() if ln.startswith("| ") and " - " in ln.split("|")[1]}
+    calib = rows[("calibrated k=1 - vanilla", "held-out accuracy after RL (points)")]
+    assert calib[0] == "3" and calib[1] == "+8.33" and calib[5] == "2 / 1" and calib[6] == "+10.00 -5.00 +20.00"
+    # sign flips of (10, -5, 20): sums +-25 (as observed, all flipped) and +-35 (-5 flipped alone, or it alone kept)
+    # reach |sum| 25; the other four (+-15, +-5) do not
+    assert calib[4] == f"{4 / 8:.3f}"
+    harm = rows[("vanilla k=1 - hp", "held-out accuracy after RL (points)")]
+    assert harm[0] == "2" and harm[6] == "-20.00 -10.00" and harm[5] == "0 / 2"
+    assert not any(pair.startswith("vanilla k=4") for pair, _ in rows)  # no reference seed beside its one seed
+
+
+def test_the_many_seed_dose_spec_reuses_the_dose_and_held_out_runs():
+    """deep_addtrace_dose_seeds.yaml pairs seeds 1-6 of deep_addtrace_dose.yaml / _heldout.yaml with new seeds: every
+    run those specs share with it must have the same config, or the runner would refuse the directory."""
+    seeds = load_study(REPO / "examples" / "studies" / "deep_addtrace_dose_seeds.yaml")
+    warm = seeds.warm_overrides()
+    shared = 0
+    for name in ("deep_addtrace_dose.yaml", "deep_addtrace_dose_heldout.yaml"):
+        other = load_study(REPO / "examples" / "studies" / name)
+        assert other.out == seeds.out and other.warm_overrides() == warm
+        for arm, seed in other.runs():
+            if (arm, seed) in seeds.runs():
+                shared += 1
+                assert other.run_config(arm, seed, warm) == seeds.run_config(arm, seed, warm), (name, arm, seed)
+    assert shared == 5 * 6  # hp and the four dose-end arms on seeds 1-6

@@ -8,13 +8,19 @@ and the like when it also overrides other `algo.calibration.*` settings, shadow_
 arms with a recipe of none are the high-precision reference. For every
 (k, variant) pair the table gives mean [min, max] over finished seeds of the metrics below (definitions:
 megatron_rl/study/results.py); the figure draws them against k, vanilla and calibrated, with the reference's
-seed range as a band. Pure reading of finished runs: nothing is trained here.
+seed range as a band. Then, seed by seed, every variant minus vanilla at the same k (and vanilla minus the reference):
+the runs of one seed share the warm start and the first rollouts, so the paired difference removes the part of the
+seed spread the arms have in common; its mean comes with a bootstrap 95% interval and a sign-flip p-value (numpy; the
+project has no scipy). Pure reading of finished runs: nothing is trained here.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
+
+import numpy as np
 
 from megatron_rl.config.algo import CalibrationConfig
 from megatron_rl.study import StudyError, results
@@ -52,6 +58,84 @@ CALIBRATION = "algo.calibration."
 DEFAULT_SHADOW_FRACTION = CalibrationConfig.model_fields["shadow_fraction"].default
 """An arm that sets shadow_fraction to the default is the default calibration (the k > 1 arms spell it out); any other
 value is a variant of its own (the shadow sees fewer rows, its targets are noisier)."""
+
+
+PAIRED_METRICS = ("held-out accuracy, high-precision engine, late checkpoints",
+                  "sampled reward, high-precision engine, late checkpoints", "held-out accuracy after RL", "reward (last)")
+"""Outcomes compared seed by seed (labels of results.METRICS); a metric no pair has is left out."""
+PAIRED_RESAMPLES = 10_000
+"""Bootstrap resamples of the paired mean (and Monte Carlo sign flips once 2^n exceeds them); fixed seed 0."""
+
+
+def paired_summary(diffs: Sequence[float], resamples: int = PAIRED_RESAMPLES) -> dict[str, float]:
+    """n, mean, sd, se, 95% bootstrap interval (lo, hi) of the mean, two-sided sign-flip p-value of mean 0, and the
+    counts above and below 0 of paired differences (nan statistics where n is too small for them)."""
+    d = np.asarray([x for x in diffs if math.isfinite(x)], dtype=np.float64)
+    n = d.size
+    out = {"n": n, "mean": float(d.mean()) if n else math.nan, "sd": float(d.std(ddof=1)) if n > 1 else math.nan,
+           "above": int((d > 0).sum()), "below": int((d < 0).sum())}
+    out["se"] = out["sd"] / math.sqrt(n) if n > 1 else math.nan
+    if n < 2:
+        return {**out, "lo": math.nan, "hi": math.nan, "p": math.nan}
+    rng = np.random.default_rng(0)
+    means = d[rng.integers(0, n, size=(resamples, n))].mean(axis=1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    if 2 ** n <= resamples:
+        signs = np.array(list(itertools.product((-1.0, 1.0), repeat=n)))
+    else:
+        signs = rng.choice((-1.0, 1.0), size=(resamples, n))
+    flipped = np.abs((signs * d).mean(axis=1))
+    # a tolerance so that the observed arrangement counts itself despite rounding in the sums
+    p = float((flipped >= abs(d.mean()) - 1e-12 * max(1.0, abs(d.mean()))).mean())
+    return {**out, "lo": float(lo), "hi": float(hi), "p": p}
+
+
+def paired_table(study, records, owner: dict[tuple, str], ref_name: Optional[str]) -> list[str]:
+    """Markdown lines: for every k with a vanilla arm, each other variant minus vanilla seed by seed, and vanilla minus
+    the reference; one row per (pair, metric) that some seed has on both sides."""
+    by_label = {m.label: m for m in results.METRICS}
+    value = {}
+    for r in records:
+        if r.status != "done":
+            continue
+        for label in PAIRED_METRICS:
+            value[(r.arm, r.seed, label)] = results.run_value(r.rows, by_label[label], study.spec.tail_fraction, r.evals,
+                                                              0, r.measured, r.measured_steps, study.spec.steps)
+    pairs = []
+    for (k, variant), name in sorted(owner.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, _variant_order(kv[0][1]))):
+        vanilla = owner.get((k, "vanilla"))
+        if k is None or vanilla is None:
+            continue
+        if variant == "vanilla":
+            if ref_name:
+                pairs.append((f"vanilla k={k:g} - {ref_name}", vanilla, ref_name))
+        else:
+            pairs.append((f"{variant} k={k:g} - vanilla", name, vanilla))
+    lines = []
+    for title, a, b in pairs:
+        for label in PAIRED_METRICS:
+            seeds = sorted(s for s in study.spec.seeds if math.isfinite(value.get((a, s, label), math.nan))
+                           and math.isfinite(value.get((b, s, label), math.nan)))
+            if not seeds:
+                continue
+            scale = 100.0 if "accuracy" in label else 1.0
+            diffs = [scale * (value[(a, s, label)] - value[(b, s, label)]) for s in seeds]
+            st = paired_summary(diffs)
+            fmt = (lambda v: f"{v:+.2f}") if scale == 100.0 else (lambda v: f"{v:+.4f}")
+            show = (lambda v: fmt(v) if math.isfinite(v) else "n/a")
+            sd = fmt(st["sd"]).lstrip("+") if math.isfinite(st["sd"]) else "n/a"
+            p_value = f"{st['p']:.3f}" if math.isfinite(st["p"]) else "n/a"
+            lines.append(f"| {title} | {label}{' (points)' if scale == 100.0 else ''} | {st['n']} | {show(st['mean'])} | "
+                         f"{sd} | [{show(st['lo'])}, {show(st['hi'])}] | {p_value} | {st['above']} / {st['below']} | "
+                         f"{' '.join(fmt(x) for x in diffs)} |")
+    if not lines:
+        return []
+    return ["## Seed by seed: each variant minus vanilla at the same k", "",
+            "Paired over the seeds both arms finished (accuracy in points); 95% interval: bootstrap of the mean "
+            f"({PAIRED_RESAMPLES} resamples); p: two-sided sign-flip test of mean 0; above / below: seeds with a "
+            "positive / negative difference.", "",
+            "| pair | metric | seeds | mean | sd | 95% interval | p | above / below | per seed |",
+            "|---|---|---|---|---|---|---|---|---|", *lines, ""]
 
 
 def _variant_order(variant: str) -> tuple[int, str]:
@@ -95,6 +179,7 @@ def dose_table(study) -> tuple[str, dict]:
         lines.append("| " + " | ".join(row) + " |")
     seeds = {name: sum(r.status == "done" for r in records if r.arm == name) for name in names}
     lines += ["", "Finished seeds per arm: " + ", ".join(f"`{n}` {c}" for n, c in seeds.items()) + ".", ""]
+    lines += paired_table(study, records, owner, ref_name)
     return "\n".join(lines), dose
 
 
