@@ -483,17 +483,27 @@ def test_dose_report_pairs_each_variant_with_vanilla_seed_by_seed(tmp_path):
     assert not any(pair.startswith("vanilla k=4") for pair, _ in rows)  # no reference seed beside its one seed
 
 
-def test_the_many_seed_dose_spec_reuses_the_dose_and_held_out_runs():
-    """deep_addtrace_dose_seeds.yaml pairs seeds 1-6 of deep_addtrace_dose.yaml / _heldout.yaml with new seeds: every
-    run those specs share with it must have the same config, or the runner would refuse the directory."""
-    seeds = load_study(REPO / "examples" / "studies" / "deep_addtrace_dose_seeds.yaml")
-    warm = seeds.warm_overrides()
+def _assert_shared_runs_agree(spec: str, others: tuple[str, ...]) -> int:
+    """Every (arm, seed) run `spec` shares with `others` (same directory and warm start) has the same config, or the
+    runner would refuse the directory; returns how many are shared."""
+    study = load_study(REPO / "examples" / "studies" / spec)
+    warm = study.warm_overrides()
     shared = 0
-    for name in ("deep_addtrace_dose.yaml", "deep_addtrace_dose_heldout.yaml"):
+    for name in others:
         other = load_study(REPO / "examples" / "studies" / name)
-        assert other.out == seeds.out and other.warm_overrides() == warm
+        assert other.out == study.out and other.warm_overrides() == warm
         for arm, seed in other.runs():
-            if (arm, seed) in seeds.runs():
+            if (arm, seed) in study.runs():
                 shared += 1
-                assert other.run_config(arm, seed, warm) == seeds.run_config(arm, seed, warm), (name, arm, seed)
-    assert shared == 5 * 6  # hp and the four dose-end arms on seeds 1-6
+                assert other.run_config(arm, seed, warm) == study.run_config(arm, seed, warm), (name, arm, seed)
+    return shared
+
+
+def test_the_many_seed_and_harm_specs_reuse_the_runs_they_share():
+    """deep_addtrace_dose_seeds.yaml pairs seeds 1-6 of deep_addtrace_dose.yaml / _heldout.yaml with new seeds;
+    calibration_harm_small.yaml shares calibration_tracking_heldout.yaml's runs."""
+    # hp and the four dose-end arms on seeds 1-6, and the excess arm at k = 8 on seeds 1-3
+    assert _assert_shared_runs_agree("deep_addtrace_dose_seeds.yaml",
+                                     ("deep_addtrace_dose.yaml", "deep_addtrace_dose_heldout.yaml")) == 5 * 6 + 3
+    # hp, vanilla, the default and excess on seeds 10-19
+    assert _assert_shared_runs_agree("calibration_harm_small.yaml", ("calibration_tracking_heldout.yaml",)) == 4 * 10
