@@ -152,3 +152,19 @@ def test_per_step_solves_every_step_from_the_training_forwards_alone(world_of_on
         held.append((pytest.approx(clipper.lower), pytest.approx(clipper.upper)))
     assert len({h[0].expected for h in held}) == 3, held  # three steps, three different solves
     assert sum(0.05 < h[0].expected < 0.8 for h in held) >= 2, held  # solved inside the guard rails
+
+
+def test_a_closed_gate_trains_the_on_policy_update_at_the_vanilla_bounds(world_of_one):
+    """strength=gated: while the gate is closed (w = 0) the on-policy update keeps 1 -/+ eps like every other update;
+    once open it trains at [lower_min, upper_max] like the full rule's."""
+    cfg = _cfg("algo.calibration.strength=gated", "algo.calibration.shadow_fraction=1")
+    clipper = CalibratedClipper(cfg.algo.calibration, eps_low=0.2, eps_high=0.2)
+    batch = _batch(rows=32)
+    plan = CalibrationPlan.build(0, cfg.algo.calibration, cfg.train, batch.batch_size)
+    step_batch, _ = logprobs.old_logprobs(RecordingLearner(), batch, 4, plan=plan)
+    for w, want in ((0.0, (0.8, 1.2)), (1.0, (0.05, 10.0))):
+        clipper.strength = w
+        calib = StepCalibration(clipper, plan, cfg, "/nonexistent")
+        mb = next(iter(batching.minibatches(step_batch, 2, seed=0)))
+        _, bounds, _ = calib.before_update(RecordingLearner(), mb, 0, 0)
+        assert tuple(float(b) for b in bounds) == (pytest.approx(want[0]), pytest.approx(want[1]))

@@ -56,7 +56,11 @@ class CalibratedClipper:
         self.solved = False
         self.last: Optional[BoundsSolution] = None
         self.strength = 1.0 if cfg.strength == "full" else 0.0
-        """Share w of the way from the vanilla bounds to the solved ones (strength=excess: set at every calibration event)."""
+        """Share w of the way from the vanilla bounds to the solved ones (strength=excess and gated: set at every
+        calibration event)."""
+        self.gate_counts = [0.0, 0.0, 0.0, 0.0]
+        """strength=gated: negative tokens below 1 - eps_low and all negative tokens, under the shadow's high-precision
+        ratios and under the low-precision ones, summed over every calibration event of the run."""
         self.alpha_lp = math.nan
         """Fraction of negative tokens the low-precision ratios put below 1 - eps_low at the last calibration event(s)."""
         self.deflation = 1.0
@@ -105,6 +109,11 @@ class CalibratedClipper:
                 self.strength = excess_strength(event.alpha, self.alpha_lp, c.excess_tolerance)
             if c.lower_target == "deflated":
                 self.deflation = deflation(event.alpha, self.alpha_lp, event.num_neg, c.deflate_prior_tokens)
+        if reduced.targets is not None and c.strength == "gated":
+            # this event's own counts (not the target_events pool, which would count an event several times)
+            new = self.events[-1]
+            self.gate_counts = [total + n for total, n in zip(self.gate_counts, (new[1], new[0], new[5], new[6]))]
+            self.strength = gate_strength(*self.gate_counts, c.excess_tolerance, c.gate_min_tokens)
         if event is not None and self.grid is not None and len(pooled) > 7:
             self.agreement = best_agreement(pooled[7:], self.grid, num_neg=pooled[0], num_hp_clipped=pooled[1],
                                             beta=c.agreement_beta) or self.agreement
@@ -175,6 +184,7 @@ class CalibratedClipper:
             "last": None if last is None else last._asdict(),
             "generator": self.generator.get_state(),
             "strength": self.strength,
+            "gate_counts": list(self.gate_counts),
             "alpha_lp": self.alpha_lp,
             "events": [list(e) for e in self.events],
             "deflation": self.deflation,
@@ -194,6 +204,8 @@ class CalibratedClipper:
         self.generator.set_state(state["generator"])
         # checkpoints from before strength=excess applied the solved bounds in full
         self.strength = float(state.get("strength", 1.0))
+        # checkpoints from before strength=gated counted nothing
+        self.gate_counts = [float(x) for x in state.get("gate_counts", [0.0, 0.0, 0.0, 0.0])]
         self.alpha_lp = float(state.get("alpha_lp", math.nan))
         # checkpoints from before target_events pooled nothing across events
         self.events = [[float(x) for x in e] for e in state.get("events", [])]
@@ -210,6 +222,16 @@ def excess_strength(alpha_hp: float, alpha_lp: float, tolerance: float) -> float
     if not alpha_lp > 0:
         return 0.0
     return min(max(1.0 - (1.0 + tolerance) * alpha_hp / alpha_lp, 0.0), 1.0)
+
+
+def gate_strength(hp_below: float, hp_neg: float, lp_below: float, lp_neg: float, tolerance: float,
+                  min_tokens: float) -> float:
+    """1 (calibrate in full) when the low-precision fraction of negative tokens below 1 - eps_low exceeds (1 + tolerance)
+    times the high-precision one and high precision put at least `min_tokens` (and at least one) below it, else 0
+    (vanilla bounds); counts summed over the run's calibration events."""
+    if not (hp_below >= max(min_tokens, 1.0) and hp_neg > 0 and lp_neg > 0):
+        return 0.0
+    return 1.0 if lp_below / lp_neg > (1.0 + tolerance) * hp_below / hp_neg else 0.0
 
 
 def deflation(alpha_hp: float, alpha_lp: float, num_neg: float, prior_tokens: float) -> float:

@@ -81,8 +81,9 @@ class StepCalibration:
         if p.prepass(epoch, k) and self.clipper.targets is not None:
             self._prepass(learner, mb)
         tap = CalibrationTap(p, self.stats, p.update_index(epoch, k)) if p.collects(epoch, k) else None
-        if p.open_bounds(epoch, k):
-            c = self.clipper.cfg
+        c = self.clipper.cfg
+        # a closed gate (strength=gated, w = 0) leaves every update at the vanilla bounds, the on-policy one included
+        if p.open_bounds(epoch, k) and not (c.strength == "gated" and self.clipper.strength == 0.0):
             return mb, CalibratedClipper.as_bounds(c.lower_min, c.upper_max), tap
         return mb, self.clipper.bounds(), tap
 

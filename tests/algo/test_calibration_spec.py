@@ -227,6 +227,59 @@ def test_excess_strength_keeps_vanilla_bounds_until_the_distortion_is_large(nois
         assert lo_f < lo_e < 0.8
 
 
+def test_gate_opens_on_the_runs_pooled_excess_only():
+    from megatron_rl.algo.clipper import gate_strength
+
+    assert gate_strength(40, 1000, 70, 1000, 1.0, 30) == 0.0   # 1.75x high precision: within the tolerated 2x
+    assert gate_strength(40, 1000, 90, 1000, 1.0, 30) == 1.0   # 2.25x
+    assert gate_strength(20, 1000, 90, 1000, 1.0, 30) == 0.0   # 4.5x, but only 20 tokens of evidence
+    assert gate_strength(40, 1000, 90, 2000, 1.0, 30) == 0.0   # fractions, not counts: 0.045 against 0.04 is 1.1x
+    assert gate_strength(40, 1000, 50, 1000, 0.1, 30) == 1.0   # a smaller tolerance
+    assert gate_strength(0, 1000, 90, 1000, 1.0, 0) == 0.0     # high precision clipped nothing: no ratio to judge
+
+
+def test_gated_strength_counts_every_event_once_and_resumes_with_the_counts():
+    """strength=gated: w is 0 (vanilla bounds) until the low-precision fraction below 1 - eps_low, pooled over every
+    event so far, exceeds (1 + excess_tolerance) times the shadow's on at least gate_min_tokens shadow-clipped tokens,
+    then 1 (the full solve); the counts sum each event once whatever target_events pools, and survive a resume."""
+    g = torch.Generator().manual_seed(7)
+
+    def batch(n, noise):
+        adv = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
+        r_hp = torch.exp(0.1 * torch.randn(n, generator=g))
+        return r_hp * torch.exp(noise * torch.randn(n, generator=g)), r_hp, adv
+
+    small, large = [batch(300, 0.01) for _ in range(3)], [batch(300, 0.3) for _ in range(3)]
+    cfg = CalibrationConfig(enabled=True, strength="gated", lower_target="event_alpha", target_events=2,
+                            gate_min_tokens=15)
+    clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
+    full = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", lower_target="event_alpha", target_events=2),
+                             eps_low=0.2, eps_high=0.2)
+    seen = []
+    for e in small + large:
+        sol = _event(clipper, *e)
+        sol_full = _event(full, *e)
+        seen.append(e)
+        neg = torch.cat([x[2] < 0 for x in seen])
+        hp, lp = torch.cat([x[1] for x in seen])[neg], torch.cat([x[0] for x in seen])[neg]
+        hp_below, lp_below = int((hp < 0.8).sum()), int((lp < 0.8).sum())
+        assert clipper.gate_counts == [hp_below, int(neg.sum()), lp_below, int(neg.sum())]
+        want = 1.0 if hp_below >= 15 and lp_below > 2 * hp_below else 0.0
+        assert clipper.strength == want
+        assert (sol.lower, sol.upper) == (sol_full.lower, sol_full.upper)  # the same solve; only what is applied differs
+        if want == 0.0:
+            assert (clipper.lower, clipper.upper) == (pytest.approx(0.8), pytest.approx(1.2))
+        else:
+            assert (clipper.lower, clipper.upper) == (full.lower, full.upper)
+    assert clipper.strength == 1.0  # three large-noise events outweigh the three small ones
+    assert CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2).strength == 0.0  # closed before any evidence
+    resumed = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
+    resumed.load_state_dict(clipper.state_dict())
+    for c in (clipper, resumed):
+        _event(c, *small[0])
+    assert (resumed.gate_counts, resumed.strength, resumed.lower) == (clipper.gate_counts, clipper.strength, clipper.lower)
+
+
 def _event(clipper, r8, r_hp, adv):
     stats = clipper.new_stats(reference=True)
     stats.add(r8, adv, ratio_hp=r_hp)
