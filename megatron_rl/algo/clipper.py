@@ -142,6 +142,13 @@ class CalibratedClipper:
         """The held (lower, upper) as 0-d float32 tensors on `device` (the loss data's device)."""
         return self.as_bounds(self.lower, self.upper, device)
 
+    def on_policy_bounds(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bounds of a step's on-policy update under on_policy_bounds=open: the guard rails' outer limits [lower_min,
+        upper_max], or the held bounds while a closed gate (strength=gated, w = 0) keeps the run at the vanilla ones."""
+        if self.cfg.strength == "gated" and self.strength == 0.0:
+            return self.bounds(device)
+        return self.as_bounds(self.cfg.lower_min, self.cfg.upper_max, device)
+
     @staticmethod
     def as_bounds(lower: float, upper: float, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(lower, upper) as the loss takes them: 0-d float32 tensors on `device` (never Python floats: no recompiles)."""

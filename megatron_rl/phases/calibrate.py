@@ -81,10 +81,8 @@ class StepCalibration:
         if p.prepass(epoch, k) and self.clipper.targets is not None:
             self._prepass(learner, mb)
         tap = CalibrationTap(p, self.stats, p.update_index(epoch, k)) if p.collects(epoch, k) else None
-        c = self.clipper.cfg
-        # a closed gate (strength=gated, w = 0) leaves every update at the vanilla bounds, the on-policy one included
-        if p.open_bounds(epoch, k) and not (c.strength == "gated" and self.clipper.strength == 0.0):
-            return mb, CalibratedClipper.as_bounds(c.lower_min, c.upper_max), tap
+        if p.open_bounds(epoch, k):
+            return mb, self.clipper.on_policy_bounds(), tap
         return mb, self.clipper.bounds(), tap
 
     def _prepass(self, learner, mb: TrainBatch) -> None:
