@@ -502,8 +502,8 @@ def _assert_shared_runs_agree(spec: str, others: tuple[str, ...]) -> int:
 def test_the_many_seed_and_harm_specs_reuse_the_runs_they_share():
     """deep_addtrace_dose_seeds.yaml pairs seeds 1-6 of deep_addtrace_dose.yaml / _heldout.yaml with new seeds;
     calibration_harm_small.yaml shares calibration_tracking_heldout.yaml's runs."""
-    # hp and the four dose-end arms on seeds 1-6, and the excess arm at k = 8 on seeds 1-3
+    # hp and the four dose-end arms on seeds 1-6, the excess arm at k = 8 and the gated arms at k = 1 and 8 on seeds 1-3
     assert _assert_shared_runs_agree("deep_addtrace_dose_seeds.yaml",
-                                     ("deep_addtrace_dose.yaml", "deep_addtrace_dose_heldout.yaml")) == 5 * 6 + 3
+                                     ("deep_addtrace_dose.yaml", "deep_addtrace_dose_heldout.yaml")) == 5 * 6 + 3 + 2 * 3
     # hp, vanilla, the default and excess on seeds 10-19
     assert _assert_shared_runs_agree("calibration_harm_small.yaml", ("calibration_tracking_heldout.yaml",)) == 4 * 10
