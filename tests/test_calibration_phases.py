@@ -50,7 +50,7 @@ def _batch(rows: int = 16, seq: int = 10) -> TrainBatch:
 
 
 def _cfg(*overrides: str):
-    return load_config(None, ["algo.calibration.enabled=true", "algo.calibration.calibrate_every=2", "train.num_minibatches=2",
+    return load_config(None, ["algo.calibration.enabled=true", "algo.calibration.strength=full", "algo.calibration.calibrate_every=2", "train.num_minibatches=2",
                               "train.micro_batch_size=4", *overrides])
 
 

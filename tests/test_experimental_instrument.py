@@ -93,7 +93,7 @@ def test_scaled_error_moves_the_mask_and_the_tap_sees_the_decision_ratio():
     old_hp = batch.old_logprobs.clone()
     hp = batch.with_fields(old_logprobs_hp=old_hp, logprobs_hp=old_hp + drift + 0.05)
     algo = AlgoConfig(experimental=ExperimentalConfig(clip_error_scale=4.0),
-                      calibration=CalibrationConfig(enabled=True, calibrate_every=1))
+                      calibration=CalibrationConfig(enabled=True, strength="full", calibrate_every=1))
     plan = CalibrationPlan.build(0, algo.calibration, TrainConfig(num_minibatches=2), batch_size=8)
     stats = CalibratedClipper(algo.calibration, eps_low=0.2, eps_high=0.2).new_stats(reference=True, record=True)
     _, grad, sums = _run(algo, hp, logprobs, CalibrationTap(plan, stats, update=1))

@@ -26,7 +26,8 @@ DROP = "train.health.reward_drop=0.9,train.health.window=1"  # the dropK hook: r
 FP8_STEPS = "precision.recipe=tensorwise,train.steps=3,train.old_logprob_batches=rollout"  # on-policy ratio not 1
 GATED_CLOSED = (f"{FP8_STEPS},algo.calibration.enabled=true,algo.calibration.strength=gated,"
                 "algo.calibration.excess_tolerance=100,algo.calibration.calibrate_every=1")
-AGREEMENT = ("precision.recipe=tensorwise,algo.calibration.enabled=true,algo.calibration.lower_target=agreement,"
+AGREEMENT = ("precision.recipe=tensorwise,algo.calibration.enabled=true,algo.calibration.strength=full,"
+             "algo.calibration.lower_target=agreement,"
              "algo.calibration.calibrate_every=1,train.steps=3")
 
 

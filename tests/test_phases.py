@@ -68,7 +68,7 @@ def test_rl_loss_clips_at_its_bounds_and_taps_the_plans_tokens(fraction, mode):
     cur_hp = old_hp + 0.3 * torch.randn_like(old)
     batch = batch.with_fields(old_logprobs=old, old_logprobs_hp=old_hp, logprobs_hp=cur_hp)
     logprobs = (old + 0.3 * torch.randn_like(old)).requires_grad_()
-    algo = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1, smoothing=0.0, shadow_fraction=fraction,
+    algo = AlgoConfig(calibration=CalibrationConfig(enabled=True, strength="full", calibrate_every=1, smoothing=0.0, shadow_fraction=fraction,
                                                     bounds_update=mode, lower_target="event_alpha"))
     plan = CalibrationPlan.build(0, algo.calibration, TrainConfig(num_minibatches=2), batch_size=8)
     clipper = CalibratedClipper(algo.calibration, eps_low=0.2, eps_high=0.2)
@@ -110,7 +110,7 @@ def test_on_policy_only_rows_are_the_first_minibatch_of_a_single_epoch():
     assert batching.on_policy_only_rows(16, 4, 1, 3, 7) == tuple(sorted(first.sample_index.tolist()))
     assert batching.on_policy_only_rows(16, 4, 2, 3, 7) == ()  # a second epoch trains every row off-policy
     # the plan runs no shadow forward on them, and shadow_fraction draws from the rest
-    cfg = CalibrationConfig(enabled=True, calibrate_every=1, shadow_fraction=1.0)
+    cfg = CalibrationConfig(enabled=True, strength="full", calibrate_every=1, shadow_fraction=1.0)
     skip = batching.on_policy_only_rows(16, 4, 1, 3, 7)
     plan = CalibrationPlan.build(7, cfg, TrainConfig(num_minibatches=4), 16, skip_rows=skip)
     assert set(plan.shadow_rows) == set(range(16)) - set(skip) and len(plan.shadow_rows) == 12

@@ -14,8 +14,9 @@ reduce the statistics over `group` (one collective round, every rank of the grou
 if they hold high-precision sums (a calibration event), update the targets; if they hold FP8
 statistics and targets exist, solve L and H and hold them: with `smooth`, new = smoothing * held +
 (1 - smoothing) * applied (the first solve of a run is taken as is); without, the applied bounds themselves.
-applied = the solved bounds (strength=full, the default) or w of the way to them from the vanilla bounds in log space
-(strength=excess: w from each calibration event's excess clipping, `excess_strength`).
+applied = the solved bounds (w = 1) or w of the way to them from the vanilla bounds in log space; w is 1 under strength=full,
+0 or 1 under strength=gated (the default: 1 once the run's pooled excess clipping passes the tolerance, `gate_strength`),
+and each calibration event's excess clipping under strength=excess (`excess_strength`).
 The targets and w take the pooled counts of the last `target_events` calibration events (1: each event alone).
 The solve's `quantile` says whom the bounds are for: the tokens solved on (per_calibration's event,
 per_minibatch's pre-pass) or the next step's (per_step, which re-solves every step).
@@ -157,7 +158,7 @@ class CalibratedClipper:
 
     def metrics(self) -> dict[str, float]:
         """Held bounds, targets, and the achieved alpha/rho of the last solve (nan where undefined)."""
-        t, last = self.targets, self.last
+        t, last, c = self.targets, self.last, self.cfg
         return {
             "calib/lower": self.lower, "calib/upper": self.upper,
             "calib/alpha_target": t.alpha if t is not None else math.nan,
@@ -166,6 +167,8 @@ class CalibratedClipper:
             "calib/rho_achieved": last.rho_achieved if last is not None else math.nan,
             "calib/strength": self.strength, "calib/alpha_lp": self.alpha_lp,
             "calib/deflation": self.deflation, "calib/alpha_solved": self.alpha_solved,
+            **({} if c.strength != "gated" else {
+                "calib/gate_ratio": gate_ratio(*self.gate_counts), "calib/gate_hp_tokens": self.gate_counts[0]}),
             **({} if self.grid is None else {
                 f"calib/agreement_{k}": getattr(self.agreement, k) if self.agreement is not None else math.nan
                 for k in ("lower", "precision", "recall")}),
@@ -239,6 +242,14 @@ def gate_strength(hp_below: float, hp_neg: float, lp_below: float, lp_neg: float
     if not (hp_below >= max(min_tokens, 1.0) and hp_neg > 0 and lp_neg > 0):
         return 0.0
     return 1.0 if lp_below / lp_neg > (1.0 + tolerance) * hp_below / hp_neg else 0.0
+
+
+def gate_ratio(hp_below: float, hp_neg: float, lp_below: float, lp_neg: float) -> float:
+    """The run's pooled low-precision fraction of negative tokens below 1 - eps_low over the high-precision one on the
+    same shadow tokens (what strength=gated compares with 1 + excess_tolerance); nan before high precision clipped any."""
+    if not (hp_below > 0 and hp_neg > 0 and lp_neg > 0):
+        return math.nan
+    return (lp_below / lp_neg) / (hp_below / hp_neg)
 
 
 def deflation(alpha_hp: float, alpha_lp: float, num_neg: float, prior_tokens: float) -> float:

@@ -163,6 +163,11 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
     if any("malformed/train" in r for r in rows):  # tasks with an answer format (data/tasks.py)
         out.insert(6, ("malformed answers, train (mean of first 20% -> mean of last 20% of steps)",
                        f"{fmt(mean_of(head, 'malformed/train'))} -> {fmt(mean_of(tail, 'malformed/train'))}"))
+    if any("calib/gate_ratio" in r for r in rows):  # strength=gated: why the bounds are (or are not) the vanilla ones
+        ratio, tokens = final_value(rows, "calib/gate_ratio"), final_value(rows, "calib/gate_hp_tokens")
+        at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibration strength")) + 1
+        out.insert(at, ("calibration gate: low/high-precision clip fraction below 1 - eps_low, pooled (final)",
+                        f"{fmt(ratio)}x on {fmt(tokens)} shadow-clipped tokens (opens above 1 + excess_tolerance, default 2x, on >= gate_min_tokens)"))
     if plots:
         stems = [Path(p).stem for p in plots]
         names = stems[0] if len(stems) == 1 else "{" + ",".join(stems) + "}"

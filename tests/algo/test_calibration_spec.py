@@ -266,13 +266,18 @@ def test_gated_strength_counts_every_event_once_and_resumes_with_the_counts():
         assert clipper.gate_counts == [hp_below, int(neg.sum()), lp_below, int(neg.sum())]
         want = 1.0 if hp_below >= 15 and lp_below > 2 * hp_below else 0.0
         assert clipper.strength == want
+        logged = clipper.metrics()
+        assert logged["calib/gate_ratio"] == pytest.approx((lp_below / int(neg.sum())) / (hp_below / int(neg.sum())))
+        assert logged["calib/gate_hp_tokens"] == hp_below
         assert (sol.lower, sol.upper) == (sol_full.lower, sol_full.upper)  # the same solve; only what is applied differs
         if want == 0.0:
             assert (clipper.lower, clipper.upper) == (pytest.approx(0.8), pytest.approx(1.2))
         else:
             assert (clipper.lower, clipper.upper) == (full.lower, full.upper)
     assert clipper.strength == 1.0  # three large-noise events outweigh the three small ones
-    assert CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2).strength == 0.0  # closed before any evidence
+    fresh = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
+    assert fresh.strength == 0.0 and math.isnan(fresh.metrics()["calib/gate_ratio"])  # closed before any evidence
+    assert "calib/gate_ratio" not in full.metrics()
     resumed = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
     resumed.load_state_dict(clipper.state_dict())
     for c in (clipper, resumed):
@@ -391,7 +396,7 @@ def test_agreement_picks_the_bound_whose_clips_agree_best_with_the_shadow(seed, 
     neg = (adv < 0).numpy()
     if not (r_hp.numpy()[neg] < 0.8).any():
         return  # the shadow clips nothing: test_agreement_without_shadow_clipping covers it
-    cfg = CalibrationConfig(enabled=True, lower_target="agreement", agreement_beta=beta, agreement_points=48)
+    cfg = CalibrationConfig(enabled=True, strength="full", lower_target="agreement", agreement_beta=beta, agreement_points=48)
     clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.28)
     stats = clipper.new_stats(reference=True)
     for idx in torch.arange(n).chunk(parts):
@@ -421,7 +426,7 @@ def test_agreement_without_shadow_clipping_targets_none_and_pools_and_resumes():
         r_hp = torch.exp(move * torch.randn(n, generator=g))
         return r_hp * torch.exp(noise * torch.randn(n, generator=g)), r_hp, adv
 
-    cfg = CalibrationConfig(enabled=True, lower_target="agreement")
+    cfg = CalibrationConfig(enabled=True, strength="full", lower_target="agreement")
     quiet = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
     r8, r_hp, adv = tokens(400, 0.01, 0.2)
     assert not (r_hp < 0.8).any() and (r8[adv < 0] < 0.8).any()
@@ -459,7 +464,7 @@ def test_agreement_histogram_backend_is_within_a_bin_of_the_exact_one():
     r8, r_hp, adv = _tokens(11, 3000, 0.15, 0.2)
     got = {}
     for backend in ("allgather", "histogram"):
-        c = CalibratedClipper(CalibrationConfig(enabled=True, lower_target="agreement", backend=backend), eps_low=0.2, eps_high=0.2)
+        c = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", lower_target="agreement", backend=backend), eps_low=0.2, eps_high=0.2)
         _event(c, r8, r_hp, adv)
         got[backend] = c.agreement
     exact, hist = got["allgather"], got["histogram"]

@@ -48,7 +48,7 @@ def per_step_solves(backend: str, r_fp8, r_hp, adv, known, group, lower_target: 
     """bounds_update: per_step on this rank's tokens: an event (FP8 of every token, targets from the `known` ones, two
     micro-batches), then an ordinary step at the held targets; [L1, H1, alpha, rho, L2, H2] after the two solves
     (lower_target=agreement: then the chosen candidate's L, alpha, precision and recall)."""
-    cfg = CalibrationConfig(enabled=True, backend=backend, lower_target=lower_target, **CLAMPS)
+    cfg = CalibrationConfig(enabled=True, strength="full", backend=backend, lower_target=lower_target, **CLAMPS)
     clip = CalibratedClipper(cfg, eps_low=EPS_LOW, eps_high=EPS_HIGH)
     stats = clip.new_stats(reference=True)
     half = r_fp8.numel() // 2
@@ -79,7 +79,7 @@ def main() -> None:
     out["subsampled_rows"], out["subsampled_weight_sum"] = int(sub.shape[0]), float(weight.sum())
     for backend in ("allgather", "histogram"):
         # one pooled solve: two local "micro-batches" per rank, one reduce over the group
-        clip = CalibratedClipper(CalibrationConfig(enabled=True, smoothing=0.0, backend=backend, **CLAMPS),
+        clip = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", smoothing=0.0, backend=backend, **CLAMPS),
                                  eps_low=EPS_LOW, eps_high=EPS_HIGH)
         stats = clip.new_stats(reference=True)
         half = r_fp8.numel() // 2

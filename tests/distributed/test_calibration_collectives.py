@@ -41,7 +41,7 @@ def test_global_calibration_matches_single_process():
         assert res["subsampled_weight_sum"] == pytest.approx(sum(w.COUNTS), rel=1e-9)
     # the clipper's pooled solve over the group equals one process solving the concatenation
     for backend in ("allgather", "histogram"):
-        clip = CalibratedClipper(CalibrationConfig(enabled=True, smoothing=0.0, backend=backend, **w.CLAMPS),
+        clip = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", smoothing=0.0, backend=backend, **w.CLAMPS),
                                  eps_low=w.EPS_LOW, eps_high=w.EPS_HIGH)
         stats = clip.new_stats(reference=True)
         stats.add(r_fp8, adv, ratio_hp=r_hp)
