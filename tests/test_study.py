@@ -505,5 +505,7 @@ def test_the_many_seed_and_harm_specs_reuse_the_runs_they_share():
     # hp and the four dose-end arms on seeds 1-6, the excess arm at k = 8 and the gated arms at k = 1 and 8 on seeds 1-3
     assert _assert_shared_runs_agree("deep_addtrace_dose_seeds.yaml",
                                      ("deep_addtrace_dose.yaml", "deep_addtrace_dose_heldout.yaml")) == 5 * 6 + 3 + 2 * 3
+    # hp and the three k = 4 arms on seeds 1-3
+    assert _assert_shared_runs_agree("deep_addtrace_dose_k4_seeds.yaml", ("deep_addtrace_dose.yaml",)) == 4 * 3
     # hp, vanilla, the default and excess on seeds 10-19
     assert _assert_shared_runs_agree("calibration_harm_small.yaml", ("calibration_tracking_heldout.yaml",)) == 4 * 10
