@@ -35,6 +35,7 @@ from megatron_rl.algo.calibration import (Agreement, BoundsSolution, Calibration
                                          agreement_grid, best_agreement, solve_bounds, targets_from_sums)
 from megatron_rl.algo.ratio_stats import HistSpec
 from megatron_rl.config.algo import AlgoConfig, CalibrationConfig
+from megatron_rl.config.run import ConfigError
 
 def _f32(x: float) -> float:
     """x rounded to float32, the precision the loss compares ratios in."""
@@ -194,6 +195,7 @@ class CalibratedClipper:
             "last": None if last is None else last._asdict(),
             "generator": self.generator.get_state(),
             "strength": self.strength,
+            "strength_rule": self.cfg.strength,
             "gate_counts": list(self.gate_counts),
             "alpha_lp": self.alpha_lp,
             "events": [list(e) for e in self.events],
@@ -203,7 +205,18 @@ class CalibratedClipper:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from `state_dict()` output."""
+        """Restore from `state_dict()` output; ConfigError when it was written under another `strength` rule."""
+        recorded = state.get("strength_rule")
+        allowed = {recorded}
+        if recorded is None and "gate_counts" not in state and state.get("targets") is not None:
+            recorded, allowed = "full or excess", {"full", "excess"}  # calibrated before strength=gated existed
+        if recorded is not None and self.cfg.strength not in allowed:
+            # the default changed to gated on 2026-12-05: resuming an older run under it would switch rules mid-run
+            raise ConfigError(
+                f"algo.calibration.strength={self.cfg.strength}, but the checkpoint was written by a run calibrating with "
+                f"strength={recorded}: set algo.calibration.strength to the rule it ran with (full was the default "
+                f"2026-12-04..05, excess 2026-12-02..04) to resume it as it ran, or start a new run "
+                f"(checkpoint.resume=false or another run_dir) to change the rule")
         self.lower, self.upper = _f32(state["lower"]), _f32(state["upper"])
         self.solved = bool(state["solved"])
         t = state["targets"]

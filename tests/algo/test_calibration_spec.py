@@ -470,3 +470,32 @@ def test_agreement_histogram_backend_is_within_a_bin_of_the_exact_one():
     exact, hist = got["allgather"], got["histogram"]
     assert abs(math.log(hist.lower) - math.log(exact.lower)) <= 2 * math.log(0.8 / 0.05) / 63
     assert hist.alpha == pytest.approx(exact.alpha, abs=0.01)
+
+
+def test_a_checkpoint_resumes_only_under_the_strength_rule_it_was_written_with():
+    """The default strength changed (full -> gated): resuming a run under another rule than it calibrated with would
+    switch rules mid-run, so loading its state names algo.calibration.strength instead; the same rule loads, and a
+    checkpoint from before the gate existed (no counts, no recorded rule) resumes under full but not under gated."""
+    from megatron_rl.config import ConfigError
+
+    g = torch.Generator().manual_seed(3)
+    adv = torch.where(torch.arange(400) % 2 == 0, -1.0, 1.0)
+    r_hp = torch.exp(0.1 * torch.randn(400, generator=g))
+    r8 = r_hp * torch.exp(0.05 * torch.randn(400, generator=g))
+
+    def clipper(strength):
+        return CalibratedClipper(CalibrationConfig(enabled=True, strength=strength), eps_low=0.2, eps_high=0.2)
+
+    full = clipper("full")
+    _event(full, r8, r_hp, adv)
+    with pytest.raises(ConfigError, match=r"algo\.calibration\.strength=gated.*strength=full"):
+        clipper("gated").load_state_dict(full.state_dict())
+    same = clipper("full")
+    same.load_state_dict(full.state_dict())
+    assert (same.lower, same.upper, same.strength) == (full.lower, full.upper, full.strength)
+    before_gate = {k: v for k, v in full.state_dict().items() if k not in ("strength_rule", "gate_counts")}
+    clipper("full").load_state_dict(before_gate)
+    clipper("excess").load_state_dict(before_gate)
+    with pytest.raises(ConfigError, match="full or excess"):
+        clipper("gated").load_state_dict(before_gate)
+    clipper("gated").load_state_dict({**before_gate, "targets": None})  # never calibrated: nothing to switch
