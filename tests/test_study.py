@@ -483,6 +483,34 @@ def test_dose_report_pairs_each_variant_with_vanilla_seed_by_seed(tmp_path):
     assert not any(pair.startswith("vanilla k=4") for pair, _ in rows)  # no reference seed beside its one seed
 
 
+def test_dose_report_pairs_every_arm_with_the_perfect_clip_decision_at_k0(tmp_path):
+    from megatron_rl.study.dose import write_dose_report
+
+    arms = [{"name": "hp", "overrides": {}},
+            {"name": "fp8", "overrides": {"precision.recipe": "blockwise"}},
+            {"name": "fp8_k0", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 0.0}},
+            {"name": "fp8_k8", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 8.0}},
+            {"name": "fp8_calib_k8", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 8.0,
+                                                   "algo.calibration.enabled": True, "algo.calibration.shadow_fraction": 1.0}}]
+    study = load_study(_spec(tmp_path, arms=arms, seeds=[1, 2]))
+    # eval_after = 0.2 + k
+    for arm, seed, k in (("hp", 1, 0.7), ("hp", 2, 0.6), ("fp8", 1, 0.65), ("fp8", 2, 0.6), ("fp8_k0", 1, 0.7),
+                         ("fp8_k0", 2, 0.65), ("fp8_k8", 1, 0.4), ("fp8_k8", 2, 0.5), ("fp8_calib_k8", 1, 0.5),
+                         ("fp8_calib_k8", 2, 0.45)):
+        _fake_run(study, arm, seed, k, dumps=False)
+    text = write_dose_report(study).read_text()
+    rows = {tuple(c.strip() for c in ln.split("|")[1:3]): [c.strip() for c in ln.split("|")[3:-1]]
+            for ln in text.splitlines() if ln.startswith("| ") and " - " in ln.split("|")[1]}
+    metric = "held-out accuracy after RL (points)"
+    assert rows[("vanilla k=1 - vanilla k=0", metric)][6] == "-5.00 -5.00"
+    assert rows[("vanilla k=8 - vanilla k=0", metric)][6] == "-30.00 -15.00"
+    assert rows[("calibrated k=8 - vanilla k=0", metric)][6] == "-20.00 -20.00"
+    assert rows[("vanilla k=0 - hp", metric)][6] == "+0.00 +5.00"
+    assert rows[("calibrated k=8 - vanilla", metric)][6] == "+10.00 -5.00"
+    assert not any(pair.startswith("vanilla k=0 - vanilla") for pair, _ in rows)
+    assert (study.report_out / "dose.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def _assert_shared_runs_agree(spec: str, others: tuple[str, ...]) -> int:
     """Every (arm, seed) run `spec` shares with `others` (same directory and warm start) has the same config, or the
     runner would refuse the directory; returns how many are shared."""

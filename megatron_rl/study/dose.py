@@ -11,7 +11,8 @@ megatron_rl/study/results.py); the figure draws them against k, vanilla and cali
 seed range as a band. Then, seed by seed, every variant minus vanilla at the same k (and vanilla minus the reference):
 the runs of one seed share the warm start and the first rollouts, so the paired difference removes the part of the
 seed spread the arms have in common; its mean comes with a bootstrap 95% interval and a sign-flip p-value (numpy; the
-project has no scipy). Pure reading of finished runs: nothing is trained here.
+project has no scipy). An arm at k = 0 (the clip decided on the high-precision ratio: a perfect clip decision with the
+arm's own gradients) is the ceiling of every clip rule, so every arm is also paired with it; dose.png draws it as a level. Pure reading of finished runs: nothing is trained here.
 """
 from __future__ import annotations
 
@@ -111,6 +112,14 @@ def paired_table(study, records, owner: dict[tuple, str], ref_name: Optional[str
                 pairs.append((f"vanilla k={k:g} - {ref_name}", vanilla, ref_name))
         else:
             pairs.append((f"{variant} k={k:g} - vanilla", name, vanilla))
+    # k = 0 decides every clip on the high-precision ratio: the best any clip rule could do with these gradients, so
+    # every other arm is also paired with it (how much of the perfect decision an arm gives up)
+    perfect = owner.get((0.0, "vanilla"))
+    if perfect is not None:
+        for (k, variant), name in sorted(owner.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0,
+                                                                        _variant_order(kv[0][1]))):
+            if k is not None and name != perfect:
+                pairs.append((f"{variant} k={k:g} - vanilla k=0", name, perfect))
     lines = []
     for title, a, b in pairs:
         for label in PAIRED_METRICS:
@@ -200,9 +209,13 @@ def plot_dose(dose: dict, out: Path) -> Path:
         if ref is not None and ref.finite:
             ax.axhspan(min(ref.finite), max(ref.finite), color="gray", alpha=0.25, lw=0, label="reference (seed range)")
         cells = {key: s for key, s in dose[m].items() if key is not None}
+        perfect = cells.get((0.0, "vanilla"))
+        if perfect is not None and perfect.finite:
+            # k = 0 has no place on a log axis: drawn as a level, the outcome of a perfect clip decision
+            ax.axhline(perfect.mean, color="tab:green", ls="--", lw=1.2, label="k = 0 (clip on the high-precision ratio)")
         for variant in sorted({v for _, v in cells}, key=_variant_order):
             color = {"vanilla": "tab:red", "calibrated": "tab:blue"}.get(variant)
-            pts = sorted((k, s) for (k, v), s in cells.items() if v == variant and s.finite)
+            pts = sorted((k, s) for (k, v), s in cells.items() if v == variant and s.finite and k > 0)
             if not pts:
                 continue
             ks = [k for k, _ in pts]
