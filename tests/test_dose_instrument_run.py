@@ -29,3 +29,19 @@ def test_two_steps_with_the_instrument_and_calibration(tmp_path_factory, tmp_pat
     state = pickle.loads((Path(latest_checkpoint(run_dir / "checkpoints")) / RL_STATE_FILE).read_bytes())
     assert 0.0 <= state["eval_malformed_before"] <= 1.0 and 0.0 <= state["eval_malformed_after"] <= 1.0
     assert "malformed answers, train" in (run_dir / "summary.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_high_precision_clip_decision_through_the_loop(tmp_path_factory, tmp_path):
+    """algo.policy_loss.clip_decision=high_precision: a low-precision run whose every update clips exactly the tokens
+    its high-precision ratios put outside the bounds (the loss's clip fractions are the high-precision ones, step by
+    step). NVFP4: in two tiny steps FP8's ratios clip the same tokens as high precision, NVFP4's do not."""
+    warm = warm_start(tmp_path_factory)
+    rows = train(tmp_path / "run", tiny_overrides(warm, "train.steps=2", "algo.calibration.enabled=false",
+                                                 "algo.policy_loss.clip_decision=high_precision", "precision.recipe=nvfp4"))
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        for side in ("clipfrac", "clipfrac_lower_neg", "clipfrac_upper_pos"):
+            assert r[side] == pytest.approx(r[f"experimental/hp_{side}"], abs=1e-12), (r["step"], side)
+    # the learner's own ratios would have clipped other tokens: the run makes the decision matter
+    assert any(r["experimental/lp_clipfrac"] != r["experimental/hp_clipfrac"] for r in rows)

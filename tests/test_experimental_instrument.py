@@ -118,3 +118,39 @@ def test_first_update_reuses_pi_old_hp_and_off_is_free():
     assert error_scale.with_logprobs_hp(None, batch, 4, AlgoConfig(), first_update=False) is batch
     assert error_scale.with_old_logprobs_hp(None, batch, 4, AlgoConfig()) is batch
     assert error_scale.clip_decision(batch.old_logprobs, batch, AlgoConfig(), None) == (None, {})
+
+
+# algo.policy_loss.clip_decision=high_precision: the instrument at k = 0 as a supported option
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ([], "precision.recipe=none"),
+    (["precision.recipe=blockwise", "algo.policy_loss.name=cispo"], "cispo"),
+    (["precision.recipe=blockwise", "algo.calibration.enabled=true"], "algo.calibration.enabled"),
+    (["precision.recipe=blockwise", "algo.experimental.clip_error_scale=0"], "algo.experimental.clip_error_scale"),
+])
+def test_high_precision_clip_decision_refuses_what_it_cannot_serve_by_name(overrides, fragment):
+    with pytest.raises(ConfigError, match="algo.policy_loss.clip_decision=high_precision") as exc:
+        load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml", ["algo.policy_loss.clip_decision=high_precision", *overrides])
+    assert fragment in str(exc.value)
+
+
+def test_high_precision_clip_decision_is_the_instrument_at_k0_and_clips_what_high_precision_clips():
+    batch, logprobs, drift = _batch(2)
+    # the learner's log-ratio carries an error of -0.1 on every token; the high-precision one is the pure drift
+    old_hp = batch.old_logprobs.clone()
+    hp = batch.with_fields(old_logprobs_hp=old_hp, logprobs_hp=old_hp + drift + 0.1)
+    option = AlgoConfig(policy_loss={"clip_decision": "high_precision"})
+    assert error_scale.active(option) and error_scale.decision_scale(option) == 0.0
+    loss, grad, sums = _run(option, hp, logprobs)
+    k0_loss, k0_grad, k0_sums = _run(AlgoConfig(experimental=ExperimentalConfig(clip_error_scale=0.0)), hp, logprobs)
+    assert torch.equal(loss, k0_loss) and torch.equal(grad, k0_grad)
+    assert all(torch.equal(sums[k], v) for k, v in k0_sums.items()) and sums.keys() == k0_sums.keys()
+    mask = hp.loss_mask > 0
+    r_hp = torch.exp(drift + 0.1)
+    clipped = mask & (((hp.advantages < 0) & (r_hp < 0.8)) | ((hp.advantages > 0) & (r_hp > 1.2)))
+    r_lp = torch.exp(logprobs.detach() - batch.old_logprobs)
+    lp_clipped = mask & (((hp.advantages < 0) & (r_lp < 0.8)) | ((hp.advantages > 0) & (r_lp > 1.2)))
+    assert not torch.equal(clipped, lp_clipped)  # the data makes the decision matter
+    assert torch.all(grad[clipped] == 0) and torch.all(grad[mask & ~clipped] != 0)
+    # the loss's clip fraction is high precision's on the same tokens
+    assert torch.equal(sums["clipfrac/num"], sums["experimental/hp_clipfrac/num"])

@@ -50,6 +50,8 @@ class PolicyLossConfig(StrictConfig):
     """log(pi/pi_old) is clamped to +-this (> 0) before exp, so a wild token cannot overflow."""
     entropy_coef: NonNegativeFloat = 0.0
     """Entropy bonus coefficient (>= 0; the loss subtracts coef * entropy)."""
+    clip_decision: Literal["learner", "high_precision"] = "learner"
+    """Ratio that decides which tokens the clip zeroes: learner (its own forward's) or high_precision (high-precision forwards of pi_old and of every update's policy decide, the learner's forward still gives loss and gradient; costs those forwards; docs/RESULTS.md section 11)."""
 
 
 class CalibrationConfig(StrictConfig):

@@ -109,6 +109,18 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
         out.append(f"algo.calibration.enabled needs an off-policy update: train.num_minibatches * train.ppo_epochs "
                    f"= {t.num_minibatches} * {t.ppo_epochs} = {updates}, must be >= 2")
     a = cfg.algo
+    if a.policy_loss.clip_decision == "high_precision":
+        p = "algo.policy_loss.clip_decision=high_precision"
+        if cfg.precision.recipe == "none":
+            out.append(f"{p} decides the clip on a high-precision ratio instead of the learner's, but precision.recipe=none "
+                       "already trains in high precision")
+        if a.policy_loss.name not in ("ppo", "dual_clip"):
+            out.append(f"{p} changes the PPO clip decision; algo.policy_loss.name={a.policy_loss.name} has none (ppo or dual_clip)")
+        if a.calibration.enabled:
+            out.append(f"{p} already clips what high precision clips, token by token; algo.calibration.enabled would move "
+                       "the bounds it applies to that ratio (turn one of them off)")
+        if a.experimental.clip_error_scale != 1.0:
+            out.append(f"{p} and algo.experimental.clip_error_scale both set the clip decision (the instrument at 0 is this option)")
     out += a.experimental.problems(cfg.precision.recipe, a.policy_loss.name, a.calibration.enabled,
                                    a.calibration.shadow_fraction, a.calibration.bounds_update)
     if layout:

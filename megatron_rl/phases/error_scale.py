@@ -1,4 +1,5 @@
-"""The dose-response instrument inside a step (experiment only: algo.experimental.clip_error_scale = k != 1).
+"""A clip decision on high-precision ratios inside a step: the dose-response instrument (experiment only:
+algo.experimental.clip_error_scale = k != 1) and its k = 0, the supported algo.policy_loss.clip_decision=high_precision.
 
 The clip decision of every training token uses r_k = r_hp * (r_lp / r_hp)^k (algo/error_scale.py), so
 every token needs its high-precision ratio: pi_old_hp of the whole step batch after the log-probs phase
@@ -27,9 +28,16 @@ from megatron_rl.phases.logprobs import current_logprobs_hp
 from megatron_rl.types import TrainBatch
 
 
+def decision_scale(algo: AlgoConfig) -> float:
+    """k of the clip decision: 0 under algo.policy_loss.clip_decision=high_precision, else the instrument's (1 = off)."""
+    if algo.policy_loss.clip_decision == "high_precision":
+        return 0.0
+    return algo.experimental.clip_error_scale
+
+
 def active(algo: AlgoConfig) -> bool:
-    """Whether the instrument is on (k != 1)."""
-    return algo.experimental.clip_error_scale != 1.0
+    """Whether the clip decision needs high-precision ratios (k != 1)."""
+    return decision_scale(algo) != 1.0
 
 
 def with_old_logprobs_hp(learner, batch: TrainBatch, micro_batch_size: int, algo: AlgoConfig) -> TrainBatch:
@@ -55,10 +63,11 @@ def clip_decision(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig,
     if not active(algo):
         return None, {}
     if mb.logprobs_hp is None or mb.old_logprobs_hp is None:
-        raise ValueError("algo.experimental.clip_error_scale needs logprobs_hp and old_logprobs_hp in every micro-batch")
+        raise ValueError("a high-precision clip decision (algo.policy_loss.clip_decision or algo.experimental."
+                         "clip_error_scale) needs logprobs_hp and old_logprobs_hp in every micro-batch")
     clamp = algo.policy_loss.log_ratio_clamp
     lp_hp, old_hp = mb.logprobs_hp.to(logprobs.device), mb.old_logprobs_hp.to(logprobs.device)
-    r_k = error_scaled_ratio(logprobs, mb.old_logprobs, lp_hp, old_hp, algo.experimental.clip_error_scale, clamp)
+    r_k = error_scaled_ratio(logprobs, mb.old_logprobs, lp_hp, old_hp, decision_scale(algo), clamp)
     lower, upper = default_bounds(algo, logprobs.device) if bounds is None else bounds
     sums: dict[str, torch.Tensor] = {}
     r_lp = torch.exp(log_ratio(logprobs.detach(), mb.old_logprobs, clamp))

@@ -46,6 +46,8 @@ def arm_dose(overrides: dict[str, Any]) -> tuple[Optional[float], str]:
     if overrides.get("precision.recipe", "none") == "none":
         return None, "reference"
     k = float(overrides.get("algo.experimental.clip_error_scale", 1.0))
+    if overrides.get("algo.policy_loss.clip_decision") == "high_precision":
+        k = 0.0  # the supported form of the instrument at k = 0
     if not overrides.get("algo.calibration.enabled", False):
         return k, "vanilla"
     # every calibration setting but those that only feed the instrument or the cost names the variant
@@ -212,7 +214,7 @@ def plot_dose(dose: dict, out: Path) -> Path:
         perfect = cells.get((0.0, "vanilla"))
         if perfect is not None and perfect.finite:
             # k = 0 has no place on a log axis: drawn as a level, the outcome of a perfect clip decision
-            ax.axhline(perfect.mean, color="tab:green", ls="--", lw=1.2, label="k = 0 (clip on the high-precision ratio)")
+            ax.axhline(perfect.mean, color="black", ls="--", lw=1.2, label="k = 0 (clip on the high-precision ratio)")
         for variant in sorted({v for _, v in cells}, key=_variant_order):
             color = {"vanilla": "tab:red", "calibrated": "tab:blue"}.get(variant)
             pts = sorted((k, s) for (k, v), s in cells.items() if v == variant and s.finite and k > 0)

@@ -123,3 +123,22 @@ def test_pp2_matches_single_process_and_resumes_calibrated(single, tmp_path):
     _assert_same(reference, rows, "PP=2 (resumed after step 0)")
     assert all(k in rows[1] for k in CALIB_KEYS)  # nothing calibration logs is lost by a resume (values: _assert_same)
     assert check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False, **SPEC) == [0, 1, 2]
+
+
+def test_high_precision_clip_decision_under_dp2(tmp_path_factory, tmp_path):
+    """algo.policy_loss.clip_decision=high_precision with DP=2: every rank forwards its shard of pi_old and of each
+    update's policy in high precision and the rows are gathered back in place, so step 0's high-precision clip
+    fractions (reduced over the ranks) equal the single-process run's (FP8's own ratios may differ there: the DP
+    gradient sum's last bits move FP8 roundings after the first update, the fp32 forwards only by those last bits),
+    and the clip the loss applies is the high-precision one on both."""
+    warm = warm_start(tmp_path_factory)
+    common = ("train.steps=1", "algo.calibration.enabled=false", "algo.policy_loss.clip_decision=high_precision")
+    single = train(tmp_path / "dp1", tiny_overrides(warm, *common, "train.micro_batch_size=8"))
+    dp2 = train(tmp_path / "dp2", tiny_overrides(warm, *common, "train.micro_batch_size=4",
+                                                 "rollout.weight_sync.transport=tensor"), nproc=2)
+    for rows in (single, dp2):
+        for side in ("clipfrac", "clipfrac_lower_neg", "clipfrac_upper_pos"):
+            assert rows[0][side] == pytest.approx(rows[0][f"experimental/hp_{side}"], abs=1e-12), side
+    for side in ("clipfrac", "clipfrac_lower_neg", "clipfrac_upper_pos"):
+        assert dp2[0][f"experimental/hp_{side}"] == pytest.approx(single[0][f"experimental/hp_{side}"], abs=1e-9), side
+    assert single[0]["experimental/hp_clipfrac"] > 0  # the comparison is about clipped tokens, not two zeros
