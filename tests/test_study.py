@@ -535,8 +535,8 @@ def test_the_many_seed_and_harm_specs_reuse_the_runs_they_share():
                                      ("deep_addtrace_dose.yaml", "deep_addtrace_dose_heldout.yaml")) == 5 * 6 + 3 + 2 * 3
     # hp and the three k = 4 arms on seeds 1-3
     assert _assert_shared_runs_agree("deep_addtrace_dose_k4_seeds.yaml", ("deep_addtrace_dose.yaml",)) == 4 * 3
-    # hp, vanilla, the default and excess on seeds 10-19
-    assert _assert_shared_runs_agree("calibration_harm_small.yaml", ("calibration_tracking_heldout.yaml",)) == 4 * 10
+    # hp, vanilla, the default, excess and the high-precision clip decision (k = 0) on seeds 10-19
+    assert _assert_shared_runs_agree("calibration_harm_small.yaml", ("calibration_tracking_heldout.yaml",)) == 5 * 10
     # hp, vanilla NVFP4 and its gated calibration on seeds 1-3; its k = 0 arm also pairs with the FP8 k = 0 runs' hp
     assert _assert_shared_runs_agree("deep_addtrace_nvfp4_k0.yaml", ("deep_addtrace_grpo.yaml",)) == 3 * 3
     assert _assert_shared_runs_agree("deep_addtrace_nvfp4_k0.yaml", ("deep_addtrace_dose_seeds.yaml",)) == 6
