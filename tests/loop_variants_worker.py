@@ -110,7 +110,10 @@ def main() -> None:
     from megatron_rl.engine.testing import ThreadedServer
 
     warm, out = Path(sys.argv[1]), Path(sys.argv[2])
-    with ThreadedServer(str(warm / "sft" / "hf"), str(warm / "sft" / "hf")) as server:
+    # deterministic: each /generate call in a batch of its own, so two runs that must agree bit for bit (a closed gate
+    # against no calibration) never differ by which concurrent calls a 5 ms window happened to batch together (it did,
+    # at load 10: last-bit rollout log-probs)
+    with ThreadedServer(str(warm / "sft" / "hf"), str(warm / "sft" / "hf"), deterministic=True) as server:
         for case in sys.argv[3:]:
             name, _, extra = case.partition(":")
             run_name = name.split("+")[0]
