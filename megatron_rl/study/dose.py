@@ -12,7 +12,8 @@ seed range as a band. Then, seed by seed, every variant minus vanilla at the sam
 the runs of one seed share the warm start and the first rollouts, so the paired difference removes the part of the
 seed spread the arms have in common; its mean comes with a bootstrap 95% interval and a sign-flip p-value (numpy; the
 project has no scipy). An arm at k = 0 (the clip decided on the high-precision ratio: a perfect clip decision with the
-arm's own gradients) is the ceiling of every clip rule, so every arm is also paired with it; dose.png draws it as a level. Pure reading of finished runs: nothing is trained here.
+arm's own gradients) is the ceiling of every clip rule, so every arm is also paired with it; dose.png draws it as a
+level. Pure reading of finished runs: nothing is trained here.
 """
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def paired_summary(diffs: Sequence[float], resamples: int = PAIRED_RESAMPLES) ->
 
 def paired_table(study, records, owner: dict[tuple, str], ref_name: Optional[str]) -> list[str]:
     """Markdown lines: for every k with a vanilla arm, each other variant minus vanilla seed by seed, and vanilla minus
-    the reference; one row per (pair, metric) that some seed has on both sides."""
+    the reference; with a vanilla arm at k = 0, every arm minus it too; one row per (pair, metric) that some seed has on
+    both sides."""
     by_label = {m.label: m for m in results.METRICS}
     value = {}
     for r in records:
@@ -105,7 +107,8 @@ def paired_table(study, records, owner: dict[tuple, str], ref_name: Optional[str
             value[(r.arm, r.seed, label)] = results.run_value(r.rows, by_label[label], study.spec.tail_fraction, r.evals,
                                                               0, r.measured, r.measured_steps, study.spec.steps)
     pairs = []
-    for (k, variant), name in sorted(owner.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, _variant_order(kv[0][1]))):
+    ordered = sorted(owner.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, _variant_order(kv[0][1])))
+    for (k, variant), name in ordered:
         vanilla = owner.get((k, "vanilla"))
         if k is None or vanilla is None:
             continue
@@ -118,8 +121,7 @@ def paired_table(study, records, owner: dict[tuple, str], ref_name: Optional[str
     # every other arm is also paired with it (how much of the perfect decision an arm gives up)
     perfect = owner.get((0.0, "vanilla"))
     if perfect is not None:
-        for (k, variant), name in sorted(owner.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0,
-                                                                        _variant_order(kv[0][1]))):
+        for (k, variant), name in ordered:
             if k is not None and name != perfect:
                 pairs.append((f"{variant} k={k:g} - vanilla k=0", name, perfect))
     lines = []
