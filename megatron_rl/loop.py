@@ -67,7 +67,9 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
                                                kv_cache=session.kv_cache,
                                                row_groups=batching.old_logprob_row_groups(batch.batch_size, cfg.train, step))
         batch = with_sequence_rollout_weights(batch, cfg.algo)
-        batch = error_scale.with_old_logprobs_hp(learner, batch, mbs, cfg.algo)  # experiment only; no-op unless on
+        # an open high_precision_decision gate decides this whole step's clips on high-precision ratios
+        gate_open = error_scale.gate_open(session.clipper)
+        batch = error_scale.with_old_logprobs_hp(learner, batch, mbs, cfg.algo, gate_open)  # no-op unless a decision needs it
     calib = StepCalibration(session.clipper, plan, cfg, session.run_dir)
     sums, learner_metrics = None, {}
     with timers("train"):
@@ -75,8 +77,9 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
             for k, mb in enumerate(batching.minibatches(batch, cfg.train.num_minibatches, batching.minibatch_seed(cfg.train.seed, step, epoch))):
                 mb = batching.dp_shard(batching.with_token_weights(mb, cfg.algo.policy_loss.agg_mode, batching.agg_max_len(cfg)), state.dp_rank(), state.dp_size())
                 mb, bounds, tap = calib.before_update(learner, mb, epoch, k)
-                mb = error_scale.with_logprobs_hp(learner, mb, mbs, cfg.algo, first_update=epoch == 0 and k == 0)
-                loss_fn = RLLoss(cfg.algo, bounds, tap, off_policy=plan.off_policy(epoch, k))
+                mb = error_scale.with_logprobs_hp(learner, mb, mbs, cfg.algo, first_update=epoch == 0 and k == 0,
+                                                  gate_open=gate_open)
+                loss_fn = RLLoss(cfg.algo, bounds, tap, off_policy=plan.off_policy(epoch, k), gate_open=gate_open)
                 out = learner.train_step(mb, loss_fn, mbs)
                 sums = add_sums(sums, loss_fn.sums or {})
                 learner_metrics = add_sums(learner_metrics, {k: _t(v) for k, v in out.items()})

@@ -45,3 +45,30 @@ def test_a_high_precision_clip_decision_through_the_loop(tmp_path_factory, tmp_p
             assert r[side] == pytest.approx(r[f"experimental/hp_{side}"], abs=1e-12), (r["step"], side)
     # the learner's own ratios would have clipped other tokens: the run makes the decision matter
     assert any(r["experimental/lp_clipfrac"] != r["experimental/hp_clipfrac"] for r in rows)
+
+
+@pytest.mark.slow
+def test_a_gate_that_opens_to_the_high_precision_decision_through_the_loop(tmp_path_factory, tmp_path):
+    """algo.calibration.gate_opens_to=high_precision_decision (NVFP4, a gate with no tolerance and no minimum so it
+    opens at the first event whose low precision clips more): steps that start with the gate closed train at the
+    vanilla bounds on the learner's decision (no high-precision decision metrics), steps that start with it open
+    clip exactly what the high-precision ratios clip, still at 1 -/+ eps, and the gate keeps counting the learner's
+    own distortion (its ratio is not the decision's 1.00x)."""
+    warm = warm_start(tmp_path_factory)
+    rows = train(tmp_path / "run", tiny_overrides(warm, "train.steps=4", "precision.recipe=nvfp4",
+                                                 "algo.calibration.strength=gated",
+                                                 "algo.calibration.gate_opens_to=high_precision_decision",
+                                                 "algo.calibration.excess_tolerance=0", "algo.calibration.gate_min_tokens=0"))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    open_at_start = [False] + [r["calib/strength"] == 1.0 for r in rows[:-1]]
+    assert any(open_at_start), [r["calib/gate_ratio"] for r in rows]  # the run makes the gate matter
+    for r, is_open in zip(rows, open_at_start):
+        assert (r["calib/lower"], r["calib/upper"]) == (pytest.approx(0.8), pytest.approx(1.2)), r["step"]
+        if not is_open:
+            assert not any(k.startswith("experimental/") for k in r), r["step"]
+            continue
+        for side in ("clipfrac", "clipfrac_lower_neg", "clipfrac_upper_pos"):
+            assert r[side] == pytest.approx(r[f"experimental/hp_{side}"], abs=1e-12), (r["step"], side)
+    assert all(r["calib/gate_ratio"] != pytest.approx(1.0) for r in rows if math.isfinite(r["calib/gate_ratio"]))
+    # the learner's own ratios would have clipped other tokens on an open step: the decision mattered
+    assert any(r["experimental/lp_clipfrac"] != r["experimental/hp_clipfrac"] for r, o in zip(rows, open_at_start) if o)

@@ -154,3 +154,79 @@ def test_high_precision_clip_decision_is_the_instrument_at_k0_and_clips_what_hig
     assert torch.all(grad[clipped] == 0) and torch.all(grad[mask & ~clipped] != 0)
     # the loss's clip fraction is high precision's on the same tokens
     assert torch.equal(sums["clipfrac/num"], sums["experimental/hp_clipfrac/num"])
+
+
+# algo.calibration.gate_opens_to=high_precision_decision: an open gate decides on high-precision ratios
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["algo.calibration.strength=full"], "strength=gated, got full"),
+    (["algo.calibration.shadow_fraction=0.5"], "shadow_fraction must be 1"),
+    (["algo.policy_loss.name=cispo"], "cispo"),
+    (["algo.calibration.bounds_update=per_minibatch"], "per_minibatch"),
+])
+def test_a_high_precision_decision_gate_refuses_what_it_cannot_serve_by_name(overrides, fragment):
+    with pytest.raises(ConfigError, match="algo.calibration.gate_opens_to") as exc:
+        load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
+                    ["precision.recipe=blockwise", "algo.calibration.enabled=true",
+                     "algo.calibration.gate_opens_to=high_precision_decision", *overrides])
+    assert fragment in str(exc.value)
+
+
+def test_an_open_high_precision_decision_gate_is_the_option_in_the_loss_and_calibration_sees_the_learner():
+    """gate_open=True under gate_opens_to=high_precision_decision: loss, gradient and clip sums are those of
+    clip_decision=high_precision bit for bit, while the calibration tap records the learner's own ratios (the gate
+    keeps measuring the distortion it opened on); gate_open=False is the ordinary loss."""
+    batch, logprobs, drift = _batch(2)
+    old_hp = batch.old_logprobs.clone()
+    hp = batch.with_fields(old_logprobs_hp=old_hp, logprobs_hp=old_hp + drift + 0.1)
+    gated = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1,
+                                                     gate_opens_to="high_precision_decision"))
+    assert not error_scale.active(gated) and error_scale.active(gated, gate_open=True)
+    plan = CalibrationPlan.build(0, gated.calibration, TrainConfig(num_minibatches=2), batch_size=8)
+    stats = CalibratedClipper(gated.calibration, eps_low=0.2, eps_high=0.2).new_stats(reference=True, record=True)
+    lp = logprobs.detach().clone().requires_grad_()
+    loss_fn = RLLoss(gated, None, CalibrationTap(plan, stats, update=1), gate_open=True)
+    loss, _ = loss_fn(lp, torch.zeros_like(lp), hp, _Ctx())
+    loss.backward()
+    opt_loss, opt_grad, opt_sums = _run(AlgoConfig(policy_loss={"clip_decision": "high_precision"}), hp, logprobs)
+    assert torch.equal(loss, opt_loss) and torch.equal(lp.grad, opt_grad)
+    assert all(torch.equal(loss_fn.sums[k], v) for k, v in opt_sums.items())
+    mask = hp.loss_mask > 0
+    r_lp = torch.exp(logprobs.detach() - batch.old_logprobs)
+    torch.testing.assert_close(torch.from_numpy(stats.dump_arrays()["ratio"]), r_lp[mask].double(), rtol=1e-6, atol=0)
+    assert not torch.equal(loss_fn.sums["clipfrac/num"], loss_fn.sums["experimental/lp_clipfrac/num"])  # it mattered
+    closed_loss, closed_grad, closed_sums = _run(gated, hp, logprobs)
+    plain_loss, plain_grad, plain_sums = _run(AlgoConfig(), hp, logprobs)
+    assert torch.equal(closed_loss, plain_loss) and torch.equal(closed_grad, plain_grad) and closed_sums.keys() == plain_sums.keys()
+
+
+def test_a_high_precision_decision_gate_opens_where_the_bounds_rule_would_and_keeps_the_vanilla_bounds():
+    """The same events open both forms of the gate at the same event; the bounds form moves L and H, the decision
+    form holds 1 -/+ eps (on-policy updates included) and says so through decides_on_high_precision; its state
+    resumes, and resuming it under the other form is refused by name."""
+    g = torch.Generator().manual_seed(3)
+    base = dict(enabled=True, strength="gated", lower_target="event_alpha", gate_min_tokens=15)
+    to_bounds = CalibratedClipper(CalibrationConfig(**base), eps_low=0.2, eps_high=0.2)
+    to_hp = CalibratedClipper(CalibrationConfig(**base, gate_opens_to="high_precision_decision"), eps_low=0.2, eps_high=0.2)
+    opened = []
+    for noise in (0.01, 0.01, 0.3, 0.3, 0.3):
+        adv = torch.where(torch.arange(400) % 2 == 0, -1.0, 1.0)
+        r_hp = torch.exp(0.15 * torch.randn(400, generator=g))
+        r_lp = r_hp * torch.exp(noise * torch.randn(400, generator=g))
+        for c in (to_bounds, to_hp):
+            stats = c.new_stats(reference=True)
+            stats.add(r_lp, adv, ratio_hp=r_hp)
+            c.solve(stats, smooth=False)
+        assert to_hp.strength == to_bounds.strength and to_hp.gate_counts == to_bounds.gate_counts
+        assert to_hp.decides_on_high_precision() == (to_hp.strength == 1.0)
+        assert not to_bounds.decides_on_high_precision()
+        assert (to_hp.lower, to_hp.upper) == (pytest.approx(0.8), pytest.approx(1.2))
+        assert [float(b) for b in to_hp.on_policy_bounds()] == [pytest.approx(0.8), pytest.approx(1.2)]
+        opened.append(to_hp.strength == 1.0)
+    assert opened[0] is False and opened[-1] is True  # closed on small noise, open on large
+    assert (to_bounds.lower, to_bounds.upper) != (pytest.approx(0.8), pytest.approx(1.2))  # the other form moved them
+    resumed = CalibratedClipper(to_hp.cfg, eps_low=0.2, eps_high=0.2)
+    resumed.load_state_dict(to_hp.state_dict())
+    assert resumed.decides_on_high_precision() and error_scale.gate_open(resumed) and not error_scale.gate_open(None)
+    with pytest.raises(ConfigError, match=r"algo\.calibration\.gate_opens_to=solved_bounds.*high_precision_decision"):
+        CalibratedClipper(to_bounds.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(to_hp.state_dict())

@@ -16,7 +16,9 @@ statistics and targets exist, solve L and H and hold them: with `smooth`, new = 
 (1 - smoothing) * applied (the first solve of a run is taken as is); without, the applied bounds themselves.
 applied = the solved bounds (w = 1) or w of the way to them from the vanilla bounds in log space; w is 1 under strength=full,
 0 or 1 under strength=gated (the default: 1 once the run's pooled excess clipping passes the tolerance, `gate_strength`),
-and each calibration event's excess clipping under strength=excess (`excess_strength`).
+and each calibration event's excess clipping under strength=excess (`excess_strength`). Under
+gate_opens_to=high_precision_decision an open gate (w = 1) moves no bound: the bounds stay vanilla and the loop decides
+the clip on high-precision ratios instead (`decides_on_high_precision`, phases/error_scale.py).
 The targets and w take the pooled counts of the last `target_events` calibration events (1: each event alone).
 The solve's `quantile` says whom the bounds are for: the tokens solved on (per_calibration's event,
 per_minibatch's pre-pass) or the next step's (per_step, which re-solves every step).
@@ -131,8 +133,9 @@ class CalibratedClipper:
             lower_min=c.lower_min, lower_max=c.lower_max, upper_min=c.upper_min, upper_max=c.upper_max,
             relax_only=c.relax_only, previous=(self.lower, self.upper), quantile=quantile, lower_floor=c.lower_floor,
         )
-        lower = _toward(1.0 - self.eps_low, sol.lower, self.strength)
-        upper = _toward(1.0 + self.eps_high, sol.upper, self.strength)
+        w = self.strength if c.gate_opens_to == "solved_bounds" else 0.0  # an open gate decides on hp ratios instead
+        lower = _toward(1.0 - self.eps_low, sol.lower, w)
+        upper = _toward(1.0 + self.eps_high, sol.upper, w)
         s = c.smoothing if smooth and self.solved else 0.0
         self.lower = _f32(s * self.lower + (1.0 - s) * lower)
         self.upper = _f32(s * self.upper + (1.0 - s) * upper)
@@ -147,9 +150,14 @@ class CalibratedClipper:
     def on_policy_bounds(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Bounds of a step's on-policy update under on_policy_bounds=open: the guard rails' outer limits [lower_min,
         upper_max], or the held bounds while a closed gate (strength=gated, w = 0) keeps the run at the vanilla ones."""
-        if self.cfg.strength == "gated" and self.strength == 0.0:
+        if self.cfg.strength == "gated" and (self.strength == 0.0 or self.cfg.gate_opens_to != "solved_bounds"):
             return self.bounds(device)
         return self.as_bounds(self.cfg.lower_min, self.cfg.upper_max, device)
+
+    def decides_on_high_precision(self) -> bool:
+        """Whether the gate is open under gate_opens_to=high_precision_decision: the clip is decided on high-precision
+        ratios (at the vanilla bounds) until a calibration event closes it again."""
+        return self.cfg.strength == "gated" and self.cfg.gate_opens_to == "high_precision_decision" and self.strength == 1.0
 
     @staticmethod
     def as_bounds(lower: float, upper: float, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,6 +204,7 @@ class CalibratedClipper:
             "generator": self.generator.get_state(),
             "strength": self.strength,
             "strength_rule": self.cfg.strength,
+            "gate_opens_to": self.cfg.gate_opens_to,
             "gate_counts": list(self.gate_counts),
             "alpha_lp": self.alpha_lp,
             "events": [list(e) for e in self.events],
@@ -217,6 +226,13 @@ class CalibratedClipper:
                 f"strength={recorded}: set algo.calibration.strength to the rule it ran with (full was the default "
                 f"2026-12-04..05, excess 2026-12-02..04) to resume it as it ran, or start a new run "
                 f"(checkpoint.resume=false or another run_dir) to change the rule")
+        # checkpoints from before gate_opens_to existed moved the bounds when the gate opened
+        opens_to = state.get("gate_opens_to", "solved_bounds")
+        if self.cfg.strength == "gated" and recorded == "gated" and opens_to != self.cfg.gate_opens_to:
+            raise ConfigError(
+                f"algo.calibration.gate_opens_to={self.cfg.gate_opens_to}, but the checkpoint was written by a run whose "
+                f"open gate went to {opens_to}: set algo.calibration.gate_opens_to={opens_to} to resume it as it ran, or "
+                f"start a new run (checkpoint.resume=false or another run_dir) to change it")
         self.lower, self.upper = _f32(state["lower"]), _f32(state["upper"])
         self.solved = bool(state["solved"])
         t = state["targets"]

@@ -1,5 +1,7 @@
 """A clip decision on high-precision ratios inside a step: the dose-response instrument (experiment only:
-algo.experimental.clip_error_scale = k != 1) and its k = 0, the supported algo.policy_loss.clip_decision=high_precision.
+algo.experimental.clip_error_scale = k != 1) and its k = 0, the supported algo.policy_loss.clip_decision=high_precision
+(every step) and algo.calibration.gate_opens_to=high_precision_decision (the steps that start with the calibration
+gate open: `gate_open`, fixed for the whole step from the clipper's state, so every rank and a resumed run agree).
 
 The clip decision of every training token uses r_k = r_hp * (r_lp / r_hp)^k (algo/error_scale.py), so
 every token needs its high-precision ratio: pi_old_hp of the whole step batch after the log-probs phase
@@ -28,46 +30,67 @@ from megatron_rl.phases.logprobs import current_logprobs_hp
 from megatron_rl.types import TrainBatch
 
 
-def decision_scale(algo: AlgoConfig) -> float:
-    """k of the clip decision: 0 under algo.policy_loss.clip_decision=high_precision, else the instrument's (1 = off)."""
-    if algo.policy_loss.clip_decision == "high_precision":
+def gate_open(clipper) -> bool:
+    """Whether this step's clip is decided on high-precision ratios by an open calibration gate
+    (algo.calibration.gate_opens_to=high_precision_decision); read once at the start of a step."""
+    return clipper is not None and clipper.decides_on_high_precision()
+
+
+def decision_scale(algo: AlgoConfig, gate_open: bool = False) -> float:
+    """k of the clip decision: 0 under algo.policy_loss.clip_decision=high_precision or an open high_precision_decision
+    gate, else the instrument's (1 = off)."""
+    if algo.policy_loss.clip_decision == "high_precision" or gate_open:
         return 0.0
     return algo.experimental.clip_error_scale
 
 
-def active(algo: AlgoConfig) -> bool:
+def active(algo: AlgoConfig, gate_open: bool = False) -> bool:
     """Whether the clip decision needs high-precision ratios (k != 1)."""
-    return decision_scale(algo) != 1.0
+    return decision_scale(algo, gate_open) != 1.0
 
 
-def with_old_logprobs_hp(learner, batch: TrainBatch, micro_batch_size: int, algo: AlgoConfig) -> TrainBatch:
+def with_old_logprobs_hp(learner, batch: TrainBatch, micro_batch_size: int, algo: AlgoConfig,
+                         gate_open: bool = False) -> TrainBatch:
     """The step batch with high-precision pi_old on every row (each DP rank forwards its shard, rows all-gathered)."""
-    if not active(algo) or batch.old_logprobs_hp is not None:
+    if not active(algo, gate_open) or batch.old_logprobs_hp is not None:
         return batch
     shard = dp_shard(batch, state.dp_rank(), state.dp_size())
     return batch.with_fields(old_logprobs_hp=all_gather_dp_rows(current_logprobs_hp(learner, shard, micro_batch_size)))
 
 
-def with_logprobs_hp(learner, mb: TrainBatch, micro_batch_size: int, algo: AlgoConfig, first_update: bool) -> TrainBatch:
+def with_logprobs_hp(learner, mb: TrainBatch, micro_batch_size: int, algo: AlgoConfig, first_update: bool,
+                     gate_open: bool = False) -> TrainBatch:
     """This rank's mini-batch shard with the current policy's high-precision log-probs (pi_old_hp on the first update)."""
-    if not active(algo) or mb.logprobs_hp is not None:
+    if not active(algo, gate_open) or mb.logprobs_hp is not None:
         return mb
     if first_update:  # no optimizer step yet: the current weights are pi_old's
         return mb.with_fields(logprobs_hp=mb.old_logprobs_hp)
     return mb.with_fields(logprobs_hp=current_logprobs_hp(learner, mb, micro_batch_size))
 
 
+def observed_ratio(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig) -> Optional[torch.Tensor]:
+    """The low-precision ratio calibration observes: r_k at the instrument's k (None when it is off: the learner's own).
+    An open high_precision_decision gate changes the decision, not this: the gate keeps measuring the learner's distortion."""
+    k = algo.experimental.clip_error_scale
+    if k == 1.0:
+        return None
+    clamp = algo.policy_loss.log_ratio_clamp
+    return error_scaled_ratio(logprobs, mb.old_logprobs, mb.logprobs_hp.to(logprobs.device),
+                              mb.old_logprobs_hp.to(logprobs.device), k, clamp)
+
+
 def clip_decision(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig,
-                  bounds: Optional[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor]]:
-    """(r_k for the loss's clip masks, `experimental/*` metric sums); (None, {}) when the instrument is off."""
-    if not active(algo):
+                  bounds: Optional[tuple[torch.Tensor, torch.Tensor]],
+                  gate_open: bool = False) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor]]:
+    """(r_k for the loss's clip masks, `experimental/*` metric sums); (None, {}) when the decision is the learner's."""
+    if not active(algo, gate_open):
         return None, {}
     if mb.logprobs_hp is None or mb.old_logprobs_hp is None:
         raise ValueError("a high-precision clip decision (algo.policy_loss.clip_decision or algo.experimental."
                          "clip_error_scale) needs logprobs_hp and old_logprobs_hp in every micro-batch")
     clamp = algo.policy_loss.log_ratio_clamp
     lp_hp, old_hp = mb.logprobs_hp.to(logprobs.device), mb.old_logprobs_hp.to(logprobs.device)
-    r_k = error_scaled_ratio(logprobs, mb.old_logprobs, lp_hp, old_hp, decision_scale(algo), clamp)
+    r_k = error_scaled_ratio(logprobs, mb.old_logprobs, lp_hp, old_hp, decision_scale(algo, gate_open), clamp)
     lower, upper = default_bounds(algo, logprobs.device) if bounds is None else bounds
     sums: dict[str, torch.Tensor] = {}
     r_lp = torch.exp(log_ratio(logprobs.detach(), mb.old_logprobs, clamp))

@@ -63,24 +63,26 @@ class RLLoss:
     """Callable `loss_fn(logprobs, entropy, mb, ctx)` for Learner.train_step."""
 
     def __init__(self, algo: AlgoConfig, bounds: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 tap: Optional[CalibrationTap] = None, off_policy: bool = False) -> None:
+                 tap: Optional[CalibrationTap] = None, off_policy: bool = False, gate_open: bool = False) -> None:
         """Clip at `bounds` (default 1 -/+ eps); with `tap`, add each micro-batch's calibration tokens to tap.stats;
-        `off_policy` updates also report their clip fractions under offpolicy/ (what a calibration solve targets)."""
+        `off_policy` updates also report their clip fractions under offpolicy/ (what a calibration solve targets);
+        `gate_open`: an open high_precision_decision gate decides the clip on high-precision ratios this step."""
         self.algo = algo
+        self.gate_open = gate_open
         self.bounds = bounds
         self.tap = tap
         self.off_policy = off_policy
         self.sums: Optional[dict[str, torch.Tensor]] = None
         """Metric sums of this rank's micro-batches (vector histograms included), reduced by the loop."""
 
-    def _collect(self, logprobs: torch.Tensor, mb: TrainBatch, clip_ratio: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    def _collect(self, logprobs: torch.Tensor, mb: TrainBatch, observed: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """Add this micro-batch's tokens to the step's statistics (FP8: the plan's FP8 rows; high precision: the shadow
         rows of an event); returns the shadow metrics in sum form."""
         tap, clamp = self.tap, self.algo.policy_loss.log_ratio_clamp
         valid = mb.loss_mask > 0
         tokens = valid & tap.plan.fp8_row_mask(mb.sample_index, mb.batch_size).to(valid.device)[:, None]
         # the same clamp and formula as the objective, so the solve sees the ratios the loss clips
-        ratio = torch.exp(log_ratio(logprobs.detach(), mb.old_logprobs, clamp)) if clip_ratio is None else clip_ratio
+        ratio = torch.exp(log_ratio(logprobs.detach(), mb.old_logprobs, clamp)) if observed is None else observed
         extra: dict[str, torch.Tensor] = {}
         ratio_hp, hp_mask = None, None
         if tap.stats.collect_reference:
@@ -107,9 +109,10 @@ class RLLoss:
         """0-d loss in global sum form for one micro-batch (its metric sums accumulate in `self.sums`)."""
         if mb.old_logprobs is None or mb.token_weight is None:
             raise ValueError("RL micro-batches need old_logprobs and token_weight")
-        # experiment-only dose-response instrument (phases/error_scale.py): None and {} unless it is on
-        clip_ratio, dose = error_scale.clip_decision(logprobs, mb, self.algo, self.bounds)
-        extra = self._collect(logprobs, mb, clip_ratio) if self.tap is not None else {}
+        # a clip decided on high-precision ratios (phases/error_scale.py): None and {} unless one is on
+        clip_ratio, dose = error_scale.clip_decision(logprobs, mb, self.algo, self.bounds, self.gate_open)
+        # calibration observes the learner's distortion (r_k under the instrument), whatever decides the clip
+        extra = self._collect(logprobs, mb, error_scale.observed_ratio(logprobs, mb, self.algo)) if self.tap is not None else {}
         loss, sums = policy_objective(
             logprobs, mb.old_logprobs, mb.advantages, mb.token_weight, mb.loss_mask, self.bounds,
             rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy, cfg=self.algo,
