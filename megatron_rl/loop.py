@@ -85,6 +85,8 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
                 learner_metrics = add_sums(learner_metrics, {k: _t(v) for k, v in out.items()})
     with timers("calibrate"):
         metrics.update(calib.finish())
+    if cfg.algo.calibration.enabled and cfg.algo.calibration.gate_opens_to == "high_precision_decision":
+        metrics["calib/hp_decision"] = float(gate_open)  # what decided this step's clips (the gate as the step began)
     n_updates = cfg.train.ppo_epochs * cfg.train.num_minibatches
     metrics.update(finalize_metrics(reduce_loss_sums(sums), cfg.algo.ratio_hist_log_range))
     metrics.update({f"learner/{k}": float(v) / n_updates for k, v in learner_metrics.items()})

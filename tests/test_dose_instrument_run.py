@@ -61,6 +61,7 @@ def test_a_gate_that_opens_to_the_high_precision_decision_through_the_loop(tmp_p
                                                  "algo.calibration.excess_tolerance=0", "algo.calibration.gate_min_tokens=0"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     open_at_start = [False] + [r["calib/strength"] == 1.0 for r in rows[:-1]]
+    assert [r["calib/hp_decision"] for r in rows] == [float(o) for o in open_at_start]  # logged as it decided
     assert any(open_at_start), [r["calib/gate_ratio"] for r in rows]  # the run makes the gate matter
     for r, is_open in zip(rows, open_at_start):
         assert (r["calib/lower"], r["calib/upper"]) == (pytest.approx(0.8), pytest.approx(1.2)), r["step"]

@@ -168,6 +168,12 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
         at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibration strength")) + 1
         out.insert(at, ("calibration gate: low/high-precision clip fraction below 1 - eps_low, pooled (final)",
                         f"{fmt(ratio)}x on {fmt(tokens)} shadow-clipped tokens (opens above 1 + excess_tolerance, default 2x, on >= gate_min_tokens)"))
+    decided = [r for r in rows if isinstance(r.get("calib/hp_decision"), (int, float))]
+    if decided:  # gate_opens_to=high_precision_decision: the steps an open gate decided on high-precision ratios
+        on = [int(r["step"]) for r in decided if r["calib/hp_decision"] == 1.0]
+        at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibration strength")) + 1
+        out.insert(at, ("clip decided on high-precision ratios (open gate, vanilla bounds)",
+                        f"{len(on)} of {len(decided)} steps" + (f", first at step {on[0]}" if on else "")))
     if plots:
         stems = [Path(p).stem for p in plots]
         names = stems[0] if len(stems) == 1 else "{" + ",".join(stems) + "}"
