@@ -58,17 +58,18 @@ def controller_rollout(session: RunSession, step: int, timers: Timers):
 def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dict:
     """Old log-probs (+ shadow rows), PPO epochs over mini-batches at the plan's bounds, the step's calibration; finalized metrics."""
     cfg, learner, mbs = session.cfg, session.learner, session.cfg.train.micro_batch_size
+    # an open high_precision_decision gate decides this whole step's clips on high-precision ratios of every row
+    gate_open = error_scale.gate_open(session.clipper)
     plan = CalibrationPlan.build(step, cfg.algo.calibration, cfg.train, batch.batch_size,
                                  skip_rows=batching.on_policy_only_rows(batch.batch_size, cfg.train.num_minibatches,
-                                                                        cfg.train.ppo_epochs, cfg.train.seed, step))
+                                                                        cfg.train.ppo_epochs, cfg.train.seed, step),
+                                 whole_shadow=gate_open)
     probed = health.probe_rows(learner, mbs) if cfg.train.health.check_updated_policy else None
     with timers("logprobs"):
         batch, metrics = logprobs.old_logprobs(learner, batch, mbs, plan=plan, reference=session.reference, probe_rows=probed,
                                                kv_cache=session.kv_cache,
                                                row_groups=batching.old_logprob_row_groups(batch.batch_size, cfg.train, step))
         batch = with_sequence_rollout_weights(batch, cfg.algo)
-        # an open high_precision_decision gate decides this whole step's clips on high-precision ratios
-        gate_open = error_scale.gate_open(session.clipper)
         batch = error_scale.with_old_logprobs_hp(learner, batch, mbs, cfg.algo, gate_open)  # no-op unless a decision needs it
     calib = StepCalibration(session.clipper, plan, cfg, session.run_dir)
     sums, learner_metrics = None, {}
@@ -85,7 +86,8 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
                 learner_metrics = add_sums(learner_metrics, {k: _t(v) for k, v in out.items()})
     with timers("calibrate"):
         metrics.update(calib.finish())
-    if cfg.algo.calibration.enabled and cfg.algo.calibration.gate_opens_to == "high_precision_decision":
+    if session.clipper is not None and session.clipper.cfg.strength == "gated" \
+            and session.clipper.cfg.gate_opens_to == "high_precision_decision":
         metrics["calib/hp_decision"] = float(gate_open)  # what decided this step's clips (the gate as the step began)
     n_updates = cfg.train.ppo_epochs * cfg.train.num_minibatches
     metrics.update(finalize_metrics(reduce_loss_sums(sums), cfg.algo.ratio_hist_log_range))

@@ -48,17 +48,20 @@ def test_a_high_precision_clip_decision_through_the_loop(tmp_path_factory, tmp_p
 
 
 @pytest.mark.slow
-def test_a_gate_that_opens_to_the_high_precision_decision_through_the_loop(tmp_path_factory, tmp_path):
+@pytest.mark.parametrize("shadow_fraction", ["1", "0.5"])
+def test_a_gate_that_opens_to_the_high_precision_decision_through_the_loop(tmp_path_factory, tmp_path, shadow_fraction):
     """algo.calibration.gate_opens_to=high_precision_decision (NVFP4, a gate with no tolerance and no minimum so it
     opens at the first event whose low precision clips more): steps that start with the gate closed train at the
     vanilla bounds on the learner's decision (no high-precision decision metrics), steps that start with it open
     clip exactly what the high-precision ratios clip, still at 1 -/+ eps, and the gate keeps counting the learner's
-    own distortion (its ratio is not the decision's 1.00x)."""
+    own distortion (its ratio is not the decision's 1.00x). With half the rows in the shadow, open steps still decide
+    on every row's high-precision ratio (an open step's event takes the whole shadow)."""
     warm = warm_start(tmp_path_factory)
     rows = train(tmp_path / "run", tiny_overrides(warm, "train.steps=4", "precision.recipe=nvfp4",
                                                  "algo.calibration.strength=gated",
                                                  "algo.calibration.gate_opens_to=high_precision_decision",
-                                                 "algo.calibration.excess_tolerance=0", "algo.calibration.gate_min_tokens=0"))
+                                                 "algo.calibration.excess_tolerance=0", "algo.calibration.gate_min_tokens=0",
+                                                 f"algo.calibration.shadow_fraction={shadow_fraction}"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     open_at_start = [False] + [r["calib/strength"] == 1.0 for r in rows[:-1]]
     assert [r["calib/hp_decision"] for r in rows] == [float(o) for o in open_at_start]  # logged as it decided

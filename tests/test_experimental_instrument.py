@@ -160,9 +160,7 @@ def test_high_precision_clip_decision_is_the_instrument_at_k0_and_clips_what_hig
 
 @pytest.mark.parametrize("overrides, fragment", [
     (["algo.calibration.strength=full"], "strength=gated, got full"),
-    (["algo.calibration.shadow_fraction=0.5"], "shadow_fraction must be 1"),
     (["algo.policy_loss.name=cispo"], "cispo"),
-    (["algo.calibration.bounds_update=per_minibatch"], "per_minibatch"),
 ])
 def test_a_high_precision_decision_gate_refuses_what_it_cannot_serve_by_name(overrides, fragment):
     with pytest.raises(ConfigError, match="algo.calibration.gate_opens_to") as exc:

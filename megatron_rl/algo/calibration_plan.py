@@ -78,9 +78,11 @@ class CalibrationPlan:
 
     @classmethod
     def build(cls, step: int, cfg: CalibrationConfig, train: TrainConfig, batch_size: int,
-              skip_rows: tuple[int, ...] = ()) -> "CalibrationPlan":
+              skip_rows: tuple[int, ...] = (), whole_shadow: bool = False) -> "CalibrationPlan":
         """The plan of `step` for a step batch of `batch_size` rows; `skip_rows` are trained by no off-policy update
-        (batching.on_policy_only_rows), so no shadow forward runs on them."""
+        (batching.on_policy_only_rows), so no shadow forward runs on them; `whole_shadow`: an event's shadow takes
+        every candidate row whatever shadow_fraction (a step whose clip an open gate decides on high-precision ratios
+        forwards them all anyway)."""
         event = cfg.enabled and step % cfg.calibrate_every == 0
         shadow = event and cfg.target_source == "shadow"
         rows: tuple[int, ...] = ()
@@ -88,7 +90,7 @@ class CalibrationPlan:
             skip = set(skip_rows) if shadow else set()
             candidates = [i for i in range(batch_size) if i not in skip]
             rows = tuple(candidates)
-            if shadow and cfg.shadow_fraction < 1.0 and candidates:
+            if shadow and cfg.shadow_fraction < 1.0 and candidates and not whole_shadow:
                 n = min(len(candidates), max(1, round(cfg.shadow_fraction * len(candidates))))
                 g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
                 pick = torch.randperm(len(candidates), generator=g)[:n].tolist()  # device-ok: a host-side draw of row numbers

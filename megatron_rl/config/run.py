@@ -121,13 +121,12 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
                        "the bounds it applies to that ratio (turn one of them off)")
         if a.experimental.clip_error_scale != 1.0:
             out.append(f"{p} and algo.experimental.clip_error_scale both set the clip decision (the instrument at 0 is this option)")
-    if a.calibration.enabled and a.calibration.gate_opens_to == "high_precision_decision":
-        p = "algo.calibration.gate_opens_to=high_precision_decision"
-        if a.policy_loss.name not in ("ppo", "dual_clip"):
-            out.append(f"{p} changes the PPO clip decision; algo.policy_loss.name={a.policy_loss.name} has none (ppo or dual_clip)")
-        if a.calibration.bounds_update == "per_minibatch":
-            out.append(f"{p} keeps the vanilla bounds once open, so the per_minibatch pre-pass would run a no-grad forward "
-                       "before every update for nothing: use algo.calibration.bounds_update=per_step or per_calibration")
+    c = a.calibration
+    if c.enabled and c.strength == "gated" and c.gate_opens_to == "high_precision_decision" \
+            and a.policy_loss.name not in ("ppo", "dual_clip"):
+        out.append(f"algo.calibration.gate_opens_to=high_precision_decision changes the PPO clip decision once the gate "
+                   f"opens; algo.policy_loss.name={a.policy_loss.name} has none (ppo or dual_clip): set "
+                   "algo.calibration.gate_opens_to=solved_bounds")
     out += a.experimental.problems(cfg.precision.recipe, a.policy_loss.name, a.calibration.enabled,
                                    a.calibration.shadow_fraction, a.calibration.bounds_update)
     if layout:

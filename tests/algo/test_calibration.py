@@ -341,6 +341,10 @@ def test_shadow_rows_are_a_seeded_rank_independent_draw():
     index = torch.tensor([5, plans[0].shadow_rows[0], 63])
     assert plans[0].row_mask(index, 3).tolist() == [5 in plans[0].shadow_rows, True, 63 in plans[0].shadow_rows]
     assert len(CalibrationPlan.build(0, _cfg(shadow_fraction=0.01), train, 8).shadow_rows) == 1  # never empty
+    # a step an open high_precision_decision gate decides: the shadow takes every candidate row (on-policy-only skipped)
+    whole = CalibrationPlan.build(0, _cfg(shadow_fraction=0.25, seed=7, calibrate_every=1), train, 64,
+                                  skip_rows=(0, 1), whole_shadow=True)
+    assert whole.shadow_rows == tuple(range(2, 64))
     with pytest.raises(ValueError, match="sample_index"):
         plans[0].row_mask(None, 4)
 
