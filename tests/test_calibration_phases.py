@@ -156,8 +156,10 @@ def test_per_step_solves_every_step_from_the_training_forwards_alone(world_of_on
 
 def test_a_closed_gate_trains_the_on_policy_update_at_the_vanilla_bounds(world_of_one):
     """strength=gated: while the gate is closed (w = 0) the on-policy update keeps 1 -/+ eps like every other update;
-    once open it trains at [lower_min, upper_max] like the full rule's."""
-    cfg = _cfg("algo.calibration.strength=gated", "algo.calibration.shadow_fraction=1")
+    once open it trains at [lower_min, upper_max] like the full rule's (gate_opens_to=solved_bounds; the default
+    high_precision_decision keeps 1 -/+ eps open or closed: tests/test_experimental_instrument.py)."""
+    cfg = _cfg("algo.calibration.strength=gated", "algo.calibration.shadow_fraction=1",
+               "algo.calibration.gate_opens_to=solved_bounds")
     clipper = CalibratedClipper(cfg.algo.calibration, eps_low=0.2, eps_high=0.2)
     batch = _batch(rows=32)
     plan = CalibrationPlan.build(0, cfg.algo.calibration, cfg.train, batch.batch_size)

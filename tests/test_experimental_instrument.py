@@ -204,8 +204,9 @@ def test_a_high_precision_decision_gate_opens_where_the_bounds_rule_would_and_ke
     resumes, and resuming it under the other form is refused by name."""
     g = torch.Generator().manual_seed(3)
     base = dict(enabled=True, strength="gated", lower_target="event_alpha", gate_min_tokens=15)
-    to_bounds = CalibratedClipper(CalibrationConfig(**base), eps_low=0.2, eps_high=0.2)
-    to_hp = CalibratedClipper(CalibrationConfig(**base, gate_opens_to="high_precision_decision"), eps_low=0.2, eps_high=0.2)
+    to_bounds = CalibratedClipper(CalibrationConfig(**base, gate_opens_to="solved_bounds"), eps_low=0.2, eps_high=0.2)
+    to_hp = CalibratedClipper(CalibrationConfig(**base), eps_low=0.2, eps_high=0.2)
+    assert to_hp.cfg.gate_opens_to == "high_precision_decision"  # the default
     opened = []
     for noise in (0.01, 0.01, 0.3, 0.3, 0.3):
         adv = torch.where(torch.arange(400) % 2 == 0, -1.0, 1.0)

@@ -539,4 +539,6 @@ def test_the_many_seed_and_harm_specs_reuse_the_runs_they_share():
     assert _assert_shared_runs_agree("calibration_harm_small.yaml", ("calibration_tracking_heldout.yaml",)) == 5 * 10
     # hp, vanilla NVFP4 and its gated calibration on seeds 1-3; its k = 0 arm also pairs with the FP8 k = 0 runs' hp
     assert _assert_shared_runs_agree("deep_addtrace_nvfp4_k0.yaml", ("deep_addtrace_grpo.yaml",)) == 3 * 3
-    assert _assert_shared_runs_agree("deep_addtrace_nvfp4_k0.yaml", ("deep_addtrace_dose_seeds.yaml",)) == 6
+    assert _assert_shared_runs_agree("deep_addtrace_nvfp4_k0.yaml", ("deep_addtrace_dose_seeds.yaml",)) == 12
+    # hp and the clip decided on the high-precision ratio (k = 0) on seeds 1-9
+    assert _assert_shared_runs_agree("deep_addtrace_dose_k4_seeds.yaml", ("deep_addtrace_dose_seeds.yaml",)) == 2 * 9

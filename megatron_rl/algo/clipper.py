@@ -133,7 +133,8 @@ class CalibratedClipper:
             lower_min=c.lower_min, lower_max=c.lower_max, upper_min=c.upper_min, upper_max=c.upper_max,
             relax_only=c.relax_only, previous=(self.lower, self.upper), quantile=quantile, lower_floor=c.lower_floor,
         )
-        w = self.strength if c.gate_opens_to == "solved_bounds" else 0.0  # an open gate decides on hp ratios instead
+        # an open high_precision_decision gate decides on high-precision ratios instead of moving the bounds
+        w = 0.0 if c.strength == "gated" and c.gate_opens_to == "high_precision_decision" else self.strength
         lower = _toward(1.0 - self.eps_low, sol.lower, w)
         upper = _toward(1.0 + self.eps_high, sol.upper, w)
         s = c.smoothing if smooth and self.solved else 0.0

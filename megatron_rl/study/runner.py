@@ -119,7 +119,7 @@ def check_existing_runs(study: Study, warm: list[str]) -> None:
 
 _ABSENT = object()
 
-BEHAVIOUR_BEFORE_FIELD = {"train.old_logprob_batches": "rollout"}
+BEHAVIOUR_BEFORE_FIELD = {"train.old_logprob_batches": "rollout", "algo.calibration.gate_opens_to": "solved_bounds"}
 """Fields added with a default that changes what a run does: a record made before the field existed ran with this value."""
 
 

@@ -251,7 +251,7 @@ def test_gated_strength_counts_every_event_once_and_resumes_with_the_counts():
 
     small, large = [batch(300, 0.01) for _ in range(3)], [batch(300, 0.3) for _ in range(3)]
     cfg = CalibrationConfig(enabled=True, strength="gated", lower_target="event_alpha", target_events=2,
-                            gate_min_tokens=15)
+                            gate_min_tokens=15, gate_opens_to="solved_bounds")
     clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
     full = CalibratedClipper(CalibrationConfig(enabled=True, strength="full", lower_target="event_alpha", target_events=2),
                              eps_low=0.2, eps_high=0.2)
@@ -499,3 +499,12 @@ def test_a_checkpoint_resumes_only_under_the_strength_rule_it_was_written_with()
     with pytest.raises(ConfigError, match="full or excess"):
         clipper("gated").load_state_dict(before_gate)
     clipper("gated").load_state_dict({**before_gate, "targets": None})  # never calibrated: nothing to switch
+    # a gated run from before gate_opens_to existed moved the bounds when its gate opened: not resumed under the new
+    # default (high_precision_decision), resumed under the form it ran
+    gated = clipper("gated")
+    _event(gated, r8, r_hp, adv)
+    older = {k: v for k, v in gated.state_dict().items() if k != "gate_opens_to"}
+    with pytest.raises(ConfigError, match=r"algo\.calibration\.gate_opens_to=high_precision_decision.*solved_bounds"):
+        clipper("gated").load_state_dict(older)
+    CalibratedClipper(CalibrationConfig(enabled=True, strength="gated", gate_opens_to="solved_bounds"),
+                      eps_low=0.2, eps_high=0.2).load_state_dict(older)
