@@ -126,14 +126,18 @@ BEHAVIOUR_BEFORE_FIELD = {"train.old_logprob_batches": "rollout", "algo.calibrat
 def _diff(old, new, prefix: str = "", before_field: Optional[dict] = None) -> list[str]:
     """Dotted keys whose values differ between a recorded config and the one a spec implies now, except what cannot
     change a run: fields the record lacks (added to the code since, with defaults that keep the old behaviour, as the
-    project's configs do; those whose default does not keep it are in BEHAVIOUR_BEFORE_FIELD) and algo.calibration.*
-    while calibration is off in both (no part of it is read then). So runs made before such an addition, or before a
+    project's configs do; those whose default does not keep it are in BEHAVIOUR_BEFORE_FIELD), algo.calibration.*
+    while calibration is off in both (no part of it is read then) and algo.calibration.gate_opens_to while neither
+    calibrates with strength=gated. So runs made before such an addition, or before a
     change of calibration defaults, are reused, not refused."""
     if isinstance(old, dict) and isinstance(new, dict):
         if prefix == "algo.calibration." and old.get("enabled") is False and new.get("enabled") is False:
             return []
+        ignored = set()
+        if prefix == "algo.calibration." and old.get("strength") != "gated" and new.get("strength") != "gated":
+            ignored.add("gate_opens_to")  # what an open gate does, read by no other strength rule
         out = []
-        for k in sorted(set(old) | set(new), key=str):
+        for k in sorted((set(old) | set(new)) - ignored, key=str):
             if k not in old:
                 before = (BEHAVIOUR_BEFORE_FIELD if before_field is None else before_field).get(f"{prefix}{k}", _ABSENT)
                 if before is not _ABSENT and before != new.get(k):
