@@ -159,8 +159,8 @@ def test_high_precision_clip_decision_is_the_instrument_at_k0_and_clips_what_hig
 # algo.calibration.gate_opens_to=high_precision_decision: an open gate decides on high-precision ratios
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["algo.calibration.strength=full"], "strength=gated, got full"),
     (["algo.policy_loss.name=cispo"], "cispo"),
+    (["algo.policy_loss.name=cispo", "algo.calibration.gate_opens_to=high_precision_decision"], "solved_bounds"),
 ])
 def test_a_high_precision_decision_gate_refuses_what_it_cannot_serve_by_name(overrides, fragment):
     with pytest.raises(ConfigError, match="algo.calibration.gate_opens_to") as exc:
@@ -168,6 +168,18 @@ def test_a_high_precision_decision_gate_refuses_what_it_cannot_serve_by_name(ove
                     ["precision.recipe=blockwise", "algo.calibration.enabled=true",
                      "algo.calibration.gate_opens_to=high_precision_decision", *overrides])
     assert fragment in str(exc.value)
+
+
+def test_the_gate_form_is_read_only_under_the_gated_rule():
+    """gate_opens_to is scoped to strength=gated: a full-rule config that records it (every run's config.yaml does)
+    loads again, and cispo with a gate that opens to its own bounds is served."""
+    full = load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
+                       ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.calibration.strength=full",
+                        "algo.calibration.gate_opens_to=high_precision_decision"])
+    assert not CalibratedClipper(full.algo.calibration, eps_low=0.2, eps_high=0.2).decides_on_high_precision()
+    load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
+                ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.policy_loss.name=cispo",
+                 "algo.calibration.gate_opens_to=solved_bounds"])
 
 
 def test_an_open_high_precision_decision_gate_is_the_option_in_the_loss_and_calibration_sees_the_learner():
