@@ -19,9 +19,11 @@ if [ "$(basename "$0")" = curl ]; then
   # like real engines, /health answers only once the engine and router steps have started
   for _ in $(seq 600); do grep -q ' engines ' "$STUB_LOG" && grep -q launch_router "$STUB_LOG" && break; sleep 0.1; done
 fi
-printf '%s' "$(basename "$0")" >> "$STUB_LOG"
-for a in "$@"; do printf ' %s' "$a" >> "$STUB_LOG"; done
-printf '\\n' >> "$STUB_LOG"
+# one append per call: background steps (engines, router) and curl write concurrently, and a line written in pieces
+# could interleave with another call's under load (CI saw the engines call split by a curl call at load ~20)
+line=$(basename "$0")
+for a in "$@"; do line+=" $a"; done
+printf '%s\\n' "$line" >> "$STUB_LOG"
 if [ "$(basename "$0")" = scontrol ]; then for h in $STUB_HOSTS; do echo "$h"; done; fi
 exit 0
 """
