@@ -86,8 +86,7 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
                 learner_metrics = add_sums(learner_metrics, {k: _t(v) for k, v in out.items()})
     with timers("calibrate"):
         metrics.update(calib.finish())
-    if session.clipper is not None and session.clipper.cfg.strength == "gated" \
-            and session.clipper.cfg.gate_opens_to == "high_precision_decision":
+    if session.clipper is not None and session.clipper.gate_opens_to_decision:
         metrics["calib/hp_decision"] = float(gate_open)  # what decided this step's clips (the gate as the step began)
     n_updates = cfg.train.ppo_epochs * cfg.train.num_minibatches
     metrics.update(finalize_metrics(reduce_loss_sums(sums), cfg.algo.ratio_hist_log_range))

@@ -133,8 +133,7 @@ class CalibratedClipper:
             lower_min=c.lower_min, lower_max=c.lower_max, upper_min=c.upper_min, upper_max=c.upper_max,
             relax_only=c.relax_only, previous=(self.lower, self.upper), quantile=quantile, lower_floor=c.lower_floor,
         )
-        # an open high_precision_decision gate decides on high-precision ratios instead of moving the bounds
-        w = 0.0 if c.strength == "gated" and c.gate_opens_to == "high_precision_decision" else self.strength
+        w = 0.0 if self.gate_opens_to_decision else self.strength  # that open gate decides instead of moving bounds
         lower = _toward(1.0 - self.eps_low, sol.lower, w)
         upper = _toward(1.0 + self.eps_high, sol.upper, w)
         s = c.smoothing if smooth and self.solved else 0.0
@@ -151,14 +150,20 @@ class CalibratedClipper:
     def on_policy_bounds(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Bounds of a step's on-policy update under on_policy_bounds=open: the guard rails' outer limits [lower_min,
         upper_max], or the held bounds while a closed gate (strength=gated, w = 0) keeps the run at the vanilla ones."""
-        if self.cfg.strength == "gated" and (self.strength == 0.0 or self.cfg.gate_opens_to != "solved_bounds"):
+        if self.cfg.strength == "gated" and (self.strength == 0.0 or self.gate_opens_to_decision):
             return self.bounds(device)
         return self.as_bounds(self.cfg.lower_min, self.cfg.upper_max, device)
 
+    @property
+    def gate_opens_to_decision(self) -> bool:
+        """Whether this run's gate, once open, decides clips on high-precision ratios (strength=gated,
+        gate_opens_to=high_precision_decision) instead of moving the bounds."""
+        return self.cfg.strength == "gated" and self.cfg.gate_opens_to == "high_precision_decision"
+
     def decides_on_high_precision(self) -> bool:
-        """Whether the gate is open under gate_opens_to=high_precision_decision: the clip is decided on high-precision
-        ratios (at the vanilla bounds) until a calibration event closes it again."""
-        return self.cfg.strength == "gated" and self.cfg.gate_opens_to == "high_precision_decision" and self.strength == 1.0
+        """Whether that gate is open now: the clip is decided on high-precision ratios (at the vanilla bounds) until a
+        calibration event closes it again."""
+        return self.gate_opens_to_decision and self.strength == 1.0
 
     @staticmethod
     def as_bounds(lower: float, upper: float, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:

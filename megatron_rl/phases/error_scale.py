@@ -86,7 +86,8 @@ def clip_decision(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig,
     if not active(algo, gate_open):
         return None, {}
     if mb.logprobs_hp is None or mb.old_logprobs_hp is None:
-        raise ValueError("a high-precision clip decision (algo.policy_loss.clip_decision or algo.experimental."
+        raise ValueError("a high-precision clip decision (algo.policy_loss.clip_decision, an open "
+                         "algo.calibration.gate_opens_to=high_precision_decision gate or algo.experimental."
                          "clip_error_scale) needs logprobs_hp and old_logprobs_hp in every micro-batch")
     clamp = algo.policy_loss.log_ratio_clamp
     lp_hp, old_hp = mb.logprobs_hp.to(logprobs.device), mb.old_logprobs_hp.to(logprobs.device)
