@@ -76,3 +76,29 @@ def test_a_gate_that_opens_to_the_high_precision_decision_through_the_loop(tmp_p
     assert all(r["calib/gate_ratio"] != pytest.approx(1.0) for r in rows if math.isfinite(r["calib/gate_ratio"]))
     # the learner's own ratios would have clipped other tokens on an open step: the decision mattered
     assert any(r["experimental/lp_clipfrac"] != r["experimental/hp_clipfrac"] for r, o in zip(rows, open_at_start) if o)
+
+
+@pytest.mark.slow
+def test_the_default_decision_rule_through_the_loop_is_the_high_precision_clip_decision(tmp_path_factory, tmp_path):
+    """algo.calibration.strength=decision (the default; NVFP4, a calibration event every step): every step from the
+    first decides its clips on high-precision ratios at 1 -/+ eps, and the run trains exactly as
+    algo.policy_loss.clip_decision=high_precision without calibration: the events only measure (the same loss, clip
+    fractions, rewards and held-out accuracy, step by step), while they log the learner's own distortion."""
+    warm = warm_start(tmp_path_factory)
+    decision = train(tmp_path / "decision", tiny_overrides(warm, "train.steps=3", "precision.recipe=nvfp4",
+                                                          "algo.calibration.strength=decision"))
+    option = train(tmp_path / "option", tiny_overrides(warm, "train.steps=3", "precision.recipe=nvfp4",
+                                                      "algo.calibration.enabled=false",
+                                                      "algo.policy_loss.clip_decision=high_precision"))
+    assert [r["step"] for r in decision] == [0, 1, 2]
+    assert [r["calib/hp_decision"] for r in decision] == [1.0, 1.0, 1.0]  # from the first step, no gate to open
+    for r, o in zip(decision, option):
+        assert (r["calib/lower"], r["calib/upper"]) == (pytest.approx(0.8), pytest.approx(1.2)), r["step"]
+        for side in ("clipfrac", "clipfrac_lower_neg", "clipfrac_upper_pos"):
+            assert r[side] == pytest.approx(r[f"experimental/hp_{side}"], abs=1e-12), (r["step"], side)
+        for key in ("loss/total", "learner/grad_norm", "clipfrac", "reward/mean", "entropy", "experimental/lp_clipfrac"):
+            assert r[key] == o[key], (r["step"], key)
+        assert "calib/gate_ratio" in r and "calib/hp_decision" not in o
+    assert any(r["experimental/lp_clipfrac"] != r["experimental/hp_clipfrac"] for r in decision)  # it mattered
+    state = lambda d: pickle.loads((Path(latest_checkpoint(d / "checkpoints")) / RL_STATE_FILE).read_bytes())
+    assert state(tmp_path / "decision")["eval_after"] == state(tmp_path / "option")["eval_after"]

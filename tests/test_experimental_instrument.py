@@ -165,9 +165,17 @@ def test_high_precision_clip_decision_is_the_instrument_at_k0_and_clips_what_hig
 def test_a_high_precision_decision_gate_refuses_what_it_cannot_serve_by_name(overrides, fragment):
     with pytest.raises(ConfigError, match="algo.calibration.gate_opens_to") as exc:
         load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
-                    ["precision.recipe=blockwise", "algo.calibration.enabled=true",
+                    ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.calibration.strength=gated",
                      "algo.calibration.gate_opens_to=high_precision_decision", *overrides])
     assert fragment in str(exc.value)
+
+
+def test_the_default_decision_rule_refuses_a_loss_without_a_clip_decision_by_name():
+    """strength=decision (the default) decides the PPO clip: cispo has none, and the error names the rules that serve it."""
+    with pytest.raises(ConfigError, match="algo.calibration.strength=decision") as exc:
+        load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
+                    ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.policy_loss.name=cispo"])
+    assert "gate_opens_to=solved_bounds" in str(exc.value) and "cispo" in str(exc.value)
 
 
 def test_the_gate_form_is_read_only_under_the_gated_rule():
@@ -179,7 +187,7 @@ def test_the_gate_form_is_read_only_under_the_gated_rule():
     assert not CalibratedClipper(full.algo.calibration, eps_low=0.2, eps_high=0.2).decides_on_high_precision()
     load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
                 ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.policy_loss.name=cispo",
-                 "algo.calibration.gate_opens_to=solved_bounds"])
+                 "algo.calibration.strength=gated", "algo.calibration.gate_opens_to=solved_bounds"])
 
 
 def test_an_open_high_precision_decision_gate_is_the_option_in_the_loss_and_calibration_sees_the_learner():
@@ -189,7 +197,7 @@ def test_an_open_high_precision_decision_gate_is_the_option_in_the_loss_and_cali
     batch, logprobs, drift = _batch(2)
     old_hp = batch.old_logprobs.clone()
     hp = batch.with_fields(old_logprobs_hp=old_hp, logprobs_hp=old_hp + drift + 0.1)
-    gated = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1,
+    gated = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1, strength="gated",
                                                      gate_opens_to="high_precision_decision"))
     assert not error_scale.active(gated) and error_scale.active(gated, gate_open=True)
     plan = CalibrationPlan.build(0, gated.calibration, TrainConfig(num_minibatches=2), batch_size=8)
@@ -238,6 +246,42 @@ def test_a_high_precision_decision_gate_opens_where_the_bounds_rule_would_and_ke
     assert (to_bounds.lower, to_bounds.upper) != (pytest.approx(0.8), pytest.approx(1.2))  # the other form moved them
     resumed = CalibratedClipper(to_hp.cfg, eps_low=0.2, eps_high=0.2)
     resumed.load_state_dict(to_hp.state_dict())
-    assert resumed.decides_on_high_precision() and error_scale.gate_open(resumed) and not error_scale.gate_open(None)
+    assert resumed.decides_on_high_precision() and error_scale.gate_open(resumed, "blockwise")
+    assert not error_scale.gate_open(None, "blockwise") and not error_scale.gate_open(resumed, "none")
     with pytest.raises(ConfigError, match=r"algo\.calibration\.gate_opens_to=solved_bounds.*high_precision_decision"):
         CalibratedClipper(to_bounds.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(to_hp.state_dict())
+
+
+# algo.calibration.strength=decision (the default): every clip decided on its high-precision ratio from the first step
+
+def test_the_decision_rule_decides_from_the_first_step_moves_no_bound_and_measures_the_distortion():
+    """strength=decision decides on high-precision ratios before any calibration event and after every one, holds
+    1 -/+ eps (on-policy updates included) whatever the events measure, counts the shadow's and the learner's clipped
+    tokens as the gate does (calib/gate_ratio reports the distortion) and resumes; a gated checkpoint is refused under
+    it by name (a run must not switch rules mid-way), and a decision checkpoint under gated."""
+    g = torch.Generator().manual_seed(3)
+    decision = CalibratedClipper(CalibrationConfig(enabled=True), eps_low=0.2, eps_high=0.2)
+    gated = CalibratedClipper(CalibrationConfig(enabled=True, strength="gated", gate_min_tokens=15), eps_low=0.2, eps_high=0.2)
+    assert decision.cfg.strength == "decision" and decision.high_precision_decision_rule  # the default
+    assert decision.decides_on_high_precision() and not gated.decides_on_high_precision()
+    for noise in (0.01, 0.3, 0.3):
+        adv = torch.where(torch.arange(400) % 2 == 0, -1.0, 1.0)
+        r_hp = torch.exp(0.15 * torch.randn(400, generator=g))
+        r_lp = r_hp * torch.exp(noise * torch.randn(400, generator=g))
+        for c in (decision, gated):
+            stats = c.new_stats(reference=True)
+            stats.add(r_lp, adv, ratio_hp=r_hp)
+            c.solve(stats, smooth=False)
+        assert decision.gate_counts == gated.gate_counts  # the same measurement as the gate's
+        assert decision.decides_on_high_precision()
+        assert (decision.lower, decision.upper) == (pytest.approx(0.8), pytest.approx(1.2))
+        assert [float(b) for b in decision.on_policy_bounds()] == [pytest.approx(0.8), pytest.approx(1.2)]
+    assert decision.metrics()["calib/gate_ratio"] > 1.5  # large noise: the learner's ratios clip far more
+    assert decision.last is not None and decision.last.lower < 0.8  # the solve ran; its bounds were not applied
+    resumed = CalibratedClipper(decision.cfg, eps_low=0.2, eps_high=0.2)
+    resumed.load_state_dict(decision.state_dict())
+    assert resumed.decides_on_high_precision() and resumed.gate_counts == decision.gate_counts
+    with pytest.raises(ConfigError, match=r"algo\.calibration\.strength=decision.*strength=gated"):
+        CalibratedClipper(decision.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(gated.state_dict())
+    with pytest.raises(ConfigError, match=r"algo\.calibration\.strength=gated.*strength=decision"):
+        CalibratedClipper(gated.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(decision.state_dict())

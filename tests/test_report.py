@@ -289,10 +289,10 @@ def test_summary_counts_the_steps_an_open_gate_decided_on_high_precision_ratios(
     on how many steps and from which, right after the strength row; runs that do not log it have no such row."""
     rows = [{"step": s, "calib/strength": float(s >= 2), "calib/hp_decision": float(s >= 3)} for s in range(6)]
     labels = [label for label, _ in summary_rows(rows, 0.5, 0.5, wall_s=1.0)]
-    at = labels.index("clip decided on high-precision ratios (open gate, vanilla bounds)")
+    at = labels.index("clip decided on high-precision ratios (vanilla bounds)")
     assert labels[at - 1].startswith("calibration strength")
     assert dict(summary_rows(rows, 0.5, 0.5, wall_s=1.0))[labels[at]] == "3 of 6 steps, first at step 3"
     closed = [{**r, "calib/hp_decision": 0.0} for r in rows]
-    assert dict(summary_rows(closed, 0.5, 0.5, wall_s=1.0))["clip decided on high-precision ratios (open gate, vanilla bounds)"] == "0 of 6 steps"
+    assert dict(summary_rows(closed, 0.5, 0.5, wall_s=1.0))["clip decided on high-precision ratios (vanilla bounds)"] == "0 of 6 steps"
     plain = [{"step": s} for s in range(6)]
     assert not any(label.startswith("clip decided") for label, _ in summary_rows(plain, 0.5, 0.5, wall_s=1.0))

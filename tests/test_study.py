@@ -357,15 +357,18 @@ def test_a_run_made_before_a_behaviour_changing_field_is_refused(tmp_path):
     rollout = load_study(_spec(tmp_path, overrides={"train.old_logprob_batches": "rollout"}))
     check_existing_runs(rollout, [])
     # a calibrated run from before algo.calibration.gate_opens_to moved the bounds when its gate opened
-    calibrated = load_study(_spec(tmp_path, overrides={"algo.calibration.enabled": True}))
+    gated = {"algo.calibration.enabled": True, "algo.calibration.strength": "gated"}
+    calibrated = load_study(_spec(tmp_path, overrides=gated))
     record = calibrated.run_config("fp8", 1, []).model_dump(mode="json")
     del record["algo"]["calibration"]["gate_opens_to"]
     (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
     with pytest.raises(StudyError, match="algo.calibration.gate_opens_to: 'solved_bounds' .before the field existed. "
                                          "-> 'high_precision_decision'"):
         check_existing_runs(calibrated, [])
-    check_existing_runs(load_study(_spec(tmp_path, overrides={"algo.calibration.enabled": True,
-                                                              "algo.calibration.gate_opens_to": "solved_bounds"})), [])
+    check_existing_runs(load_study(_spec(tmp_path, overrides={**gated, "algo.calibration.gate_opens_to": "solved_bounds"})), [])
+    # a gated run's record is refused where the spec now gives the default (strength=decision): another rule
+    with pytest.raises(StudyError, match="algo.calibration.strength: 'gated' -> 'decision'"):
+        check_existing_runs(load_study(_spec(tmp_path, overrides={"algo.calibration.enabled": True})), [])
     # under another strength rule no gate is read: such a record is reused as it is
     full = load_study(_spec(tmp_path, overrides={"algo.calibration.enabled": True, "algo.calibration.strength": "full"}))
     record = full.run_config("fp8", 1, []).model_dump(mode="json")

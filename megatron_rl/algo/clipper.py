@@ -15,10 +15,11 @@ if they hold high-precision sums (a calibration event), update the targets; if t
 statistics and targets exist, solve L and H and hold them: with `smooth`, new = smoothing * held +
 (1 - smoothing) * applied (the first solve of a run is taken as is); without, the applied bounds themselves.
 applied = the solved bounds (w = 1) or w of the way to them from the vanilla bounds in log space; w is 1 under strength=full,
-0 or 1 under strength=gated (the default: 1 once the run's pooled excess clipping passes the tolerance, `gate_strength`),
-and each calibration event's excess clipping under strength=excess (`excess_strength`). Under
-gate_opens_to=high_precision_decision an open gate (w = 1) moves no bound: the bounds stay vanilla and the loop decides
-the clip on high-precision ratios instead (`decides_on_high_precision`, phases/error_scale.py).
+0 or 1 under strength=gated (1 once the run's pooled excess clipping passes the tolerance, `gate_strength`),
+and each calibration event's excess clipping under strength=excess (`excess_strength`). Under strength=decision (the
+default) no bound ever moves: the bounds stay vanilla and the loop decides every clip on high-precision ratios from the
+first step (`decides_on_high_precision`, phases/error_scale.py); likewise an open gate (w = 1) under
+gate_opens_to=high_precision_decision, from the step after it opens.
 The targets and w take the pooled counts of the last `target_events` calibration events (1: each event alone).
 The solve's `quantile` says whom the bounds are for: the tokens solved on (per_calibration's event,
 per_minibatch's pre-pass) or the next step's (per_step, which re-solves every step).
@@ -63,7 +64,7 @@ class CalibratedClipper:
         """Share w of the way from the vanilla bounds to the solved ones (strength=excess and gated: set at every
         calibration event)."""
         self.gate_counts = [0.0, 0.0, 0.0, 0.0]
-        """strength=gated: negative tokens below 1 - eps_low and all negative tokens, under the shadow's high-precision
+        """strength=gated and decision (where they only measure): negative tokens below 1 - eps_low and all negative tokens, under the shadow's high-precision
         ratios and under the low-precision ones, summed over every calibration event of the run."""
         self.alpha_lp = math.nan
         """Fraction of negative tokens the low-precision ratios put below 1 - eps_low at the last calibration event(s)."""
@@ -113,11 +114,12 @@ class CalibratedClipper:
                 self.strength = excess_strength(event.alpha, self.alpha_lp, c.excess_tolerance)
             if c.lower_target == "deflated":
                 self.deflation = deflation(event.alpha, self.alpha_lp, event.num_neg, c.deflate_prior_tokens)
-        if reduced.targets is not None and c.strength == "gated":
+        if reduced.targets is not None and c.strength in ("gated", "decision"):
             # this event's own counts (not the target_events pool, which would count an event several times)
             new = self.events[-1]
             self.gate_counts = [total + n for total, n in zip(self.gate_counts, (new[1], new[0], new[5], new[6]))]
-            self.strength = gate_strength(*self.gate_counts, c.excess_tolerance, c.gate_min_tokens)
+            if c.strength == "gated":
+                self.strength = gate_strength(*self.gate_counts, c.excess_tolerance, c.gate_min_tokens)
         if event is not None and self.grid is not None and len(pooled) > 7:
             self.agreement = best_agreement(pooled[7:], self.grid, num_neg=pooled[0], num_hp_clipped=pooled[1],
                                             beta=c.agreement_beta) or self.agreement
@@ -133,7 +135,7 @@ class CalibratedClipper:
             lower_min=c.lower_min, lower_max=c.lower_max, upper_min=c.upper_min, upper_max=c.upper_max,
             relax_only=c.relax_only, previous=(self.lower, self.upper), quantile=quantile, lower_floor=c.lower_floor,
         )
-        w = 0.0 if self.gate_opens_to_decision else self.strength  # that open gate decides instead of moving bounds
+        w = 0.0 if self.high_precision_decision_rule else self.strength  # that rule decides instead of moving bounds
         lower = _toward(1.0 - self.eps_low, sol.lower, w)
         upper = _toward(1.0 + self.eps_high, sol.upper, w)
         s = c.smoothing if smooth and self.solved else 0.0
@@ -149,21 +151,25 @@ class CalibratedClipper:
 
     def on_policy_bounds(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Bounds of a step's on-policy update under on_policy_bounds=open: the guard rails' outer limits [lower_min,
-        upper_max], or the held bounds while a closed gate (strength=gated, w = 0) keeps the run at the vanilla ones."""
-        if self.cfg.strength == "gated" and (self.strength == 0.0 or self.gate_opens_to_decision):
+        upper_max], or the held bounds while a closed gate (strength=gated, w = 0) or a high-precision decision keeps
+        the run at the vanilla ones."""
+        if self.high_precision_decision_rule or (self.cfg.strength == "gated" and self.strength == 0.0):
             return self.bounds(device)
         return self.as_bounds(self.cfg.lower_min, self.cfg.upper_max, device)
 
     @property
-    def gate_opens_to_decision(self) -> bool:
-        """Whether this run's gate, once open, decides clips on high-precision ratios (strength=gated,
-        gate_opens_to=high_precision_decision) instead of moving the bounds."""
-        return self.cfg.strength == "gated" and self.cfg.gate_opens_to == "high_precision_decision"
+    def high_precision_decision_rule(self) -> bool:
+        """Whether this run's rule decides clips on high-precision ratios instead of moving the bounds: always
+        (strength=decision) or once its gate opens (strength=gated, gate_opens_to=high_precision_decision)."""
+        c = self.cfg
+        return c.strength == "decision" or (c.strength == "gated" and c.gate_opens_to == "high_precision_decision")
 
     def decides_on_high_precision(self) -> bool:
-        """Whether that gate is open now: the clip is decided on high-precision ratios (at the vanilla bounds) until a
-        calibration event closes it again."""
-        return self.gate_opens_to_decision and self.strength == 1.0
+        """Whether the clip is decided on high-precision ratios (at the vanilla bounds) now: on every step under
+        strength=decision, while the gate is open under that gated form (until a calibration event closes it)."""
+        if self.cfg.strength == "decision":
+            return True
+        return self.high_precision_decision_rule and self.strength == 1.0
 
     @staticmethod
     def as_bounds(lower: float, upper: float, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +188,7 @@ class CalibratedClipper:
             "calib/rho_achieved": last.rho_achieved if last is not None else math.nan,
             "calib/strength": self.strength, "calib/alpha_lp": self.alpha_lp,
             "calib/deflation": self.deflation, "calib/alpha_solved": self.alpha_solved,
-            **({} if c.strength != "gated" else {
+            **({} if c.strength not in ("gated", "decision") else {
                 "calib/gate_ratio": gate_ratio(*self.gate_counts), "calib/gate_hp_tokens": self.gate_counts[0]}),
             **({} if self.grid is None else {
                 f"calib/agreement_{k}": getattr(self.agreement, k) if self.agreement is not None else math.nan
@@ -226,11 +232,11 @@ class CalibratedClipper:
         if recorded is None and "gate_counts" not in state and state.get("targets") is not None:
             recorded, allowed = "full or excess", {"full", "excess"}  # calibrated before strength=gated existed
         if recorded is not None and self.cfg.strength not in allowed:
-            # the default changed to gated on 2026-12-05: resuming an older run under it would switch rules mid-run
+            # the default changed on 2026-12-02, -04 and twice on -05: resuming an older run under it would switch rules mid-run
             raise ConfigError(
                 f"algo.calibration.strength={self.cfg.strength}, but the checkpoint was written by a run calibrating with "
-                f"strength={recorded}: set algo.calibration.strength to the rule it ran with (full was the default "
-                f"2026-12-04..05, excess 2026-12-02..04) to resume it as it ran, or start a new run "
+                f"strength={recorded}: set algo.calibration.strength to the rule it ran with (gated was the default "
+                f"2026-12-05 until session 42, full 2026-12-04..05, excess 2026-12-02..04) to resume it as it ran, or start a new run "
                 f"(checkpoint.resume=false or another run_dir) to change the rule")
         # checkpoints from before gate_opens_to existed moved the bounds when the gate opened
         opens_to = state.get("gate_opens_to", "solved_bounds")

@@ -117,16 +117,21 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
         if a.policy_loss.name not in ("ppo", "dual_clip"):
             out.append(f"{p} changes the PPO clip decision; algo.policy_loss.name={a.policy_loss.name} has none (ppo or dual_clip)")
         if a.calibration.enabled:
-            out.append(f"{p} already clips what high precision clips, token by token; algo.calibration.enabled would move "
-                       "the bounds it applies to that ratio (turn one of them off)")
+            out.append(f"{p} already clips what high precision clips, token by token; algo.calibration.enabled would "
+                       "calibrate on top of it (turn one of them off: algo.calibration.strength=decision, its default, is "
+                       "this decision with the calibration's measurements beside it)")
         if a.experimental.clip_error_scale != 1.0:
             out.append(f"{p} and algo.experimental.clip_error_scale both set the clip decision (the instrument at 0 is this option)")
     c = a.calibration
-    if c.enabled and c.strength == "gated" and c.gate_opens_to == "high_precision_decision" \
-            and a.policy_loss.name not in ("ppo", "dual_clip"):
-        out.append(f"algo.calibration.gate_opens_to=high_precision_decision changes the PPO clip decision once the gate "
-                   f"opens; algo.policy_loss.name={a.policy_loss.name} has none (ppo or dual_clip): set "
-                   "algo.calibration.gate_opens_to=solved_bounds")
+    if c.enabled and a.policy_loss.name not in ("ppo", "dual_clip"):
+        if c.strength == "decision":
+            out.append(f"algo.calibration.strength=decision decides the PPO clip on high-precision ratios; "
+                       f"algo.policy_loss.name={a.policy_loss.name} has no clip decision (ppo or dual_clip): set "
+                       "algo.calibration.strength to full, excess or gated (with gate_opens_to=solved_bounds)")
+        elif c.strength == "gated" and c.gate_opens_to == "high_precision_decision":
+            out.append(f"algo.calibration.gate_opens_to=high_precision_decision changes the PPO clip decision once the "
+                       f"gate opens; algo.policy_loss.name={a.policy_loss.name} has none (ppo or dual_clip): set "
+                       "algo.calibration.gate_opens_to=solved_bounds")
     out += a.experimental.problems(cfg.precision.recipe, a.policy_loss.name, a.calibration.enabled,
                                    a.calibration.shadow_fraction, a.calibration.bounds_update)
     if layout:

@@ -1,7 +1,8 @@
 """A clip decision on high-precision ratios inside a step: the dose-response instrument (experiment only:
-algo.experimental.clip_error_scale = k != 1) and its k = 0, the supported algo.policy_loss.clip_decision=high_precision
-(every step) and algo.calibration.gate_opens_to=high_precision_decision (the steps that start with the calibration
-gate open: `gate_open`, fixed for the whole step from the clipper's state, so every rank and a resumed run agree).
+algo.experimental.clip_error_scale = k != 1) and its k = 0: the supported algo.policy_loss.clip_decision=high_precision
+and algo.calibration.strength=decision (every step), and algo.calibration.gate_opens_to=high_precision_decision (the
+steps that start with the calibration gate open). `gate_open` reads the calibration's choice once at the start of a
+step from the clipper's state, so every rank and a resumed run agree.
 
 The clip decision of every training token uses r_k = r_hp * (r_lp / r_hp)^k (algo/error_scale.py), so
 every token needs its high-precision ratio: pi_old_hp of the whole step batch after the log-probs phase
@@ -30,15 +31,16 @@ from megatron_rl.phases.logprobs import current_logprobs_hp
 from megatron_rl.types import TrainBatch
 
 
-def gate_open(clipper) -> bool:
-    """Whether this step's clip is decided on high-precision ratios by an open calibration gate
-    (algo.calibration.gate_opens_to=high_precision_decision); read once at the start of a step."""
-    return clipper is not None and clipper.decides_on_high_precision()
+def gate_open(clipper, recipe: str) -> bool:
+    """Whether calibration decides this step's clip on high-precision ratios (algo.calibration.strength=decision, or an
+    open gate with gate_opens_to=high_precision_decision); read once at the start of a step. Never under
+    precision.recipe=none, whose own ratios are already the high-precision ones (the forwards would change nothing)."""
+    return clipper is not None and recipe != "none" and clipper.decides_on_high_precision()
 
 
 def decision_scale(algo: AlgoConfig, gate_open: bool = False) -> float:
-    """k of the clip decision: 0 under algo.policy_loss.clip_decision=high_precision or an open high_precision_decision
-    gate, else the instrument's (1 = off)."""
+    """k of the clip decision: 0 under algo.policy_loss.clip_decision=high_precision or calibration's high-precision
+    decision (`gate_open`), else the instrument's (1 = off)."""
     if algo.policy_loss.clip_decision == "high_precision" or gate_open:
         return 0.0
     return algo.experimental.clip_error_scale
@@ -70,7 +72,7 @@ def with_logprobs_hp(learner, mb: TrainBatch, micro_batch_size: int, algo: AlgoC
 
 def observed_ratio(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig) -> Optional[torch.Tensor]:
     """The low-precision ratio calibration observes: r_k at the instrument's k (None when it is off: the learner's own).
-    An open high_precision_decision gate changes the decision, not this: the gate keeps measuring the learner's distortion."""
+    Calibration's high-precision decision changes the decision, not this: the events keep measuring the learner's distortion."""
     k = algo.experimental.clip_error_scale
     if k == 1.0:
         return None
@@ -86,8 +88,8 @@ def clip_decision(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig,
     if not active(algo, gate_open):
         return None, {}
     if mb.logprobs_hp is None or mb.old_logprobs_hp is None:
-        raise ValueError("a high-precision clip decision (algo.policy_loss.clip_decision, an open "
-                         "algo.calibration.gate_opens_to=high_precision_decision gate or algo.experimental."
+        raise ValueError("a high-precision clip decision (algo.policy_loss.clip_decision, algo.calibration.strength="
+                         "decision, an open gate_opens_to=high_precision_decision gate or algo.experimental."
                          "clip_error_scale) needs logprobs_hp and old_logprobs_hp in every micro-batch")
     clamp = algo.policy_loss.log_ratio_clamp
     lp_hp, old_hp = mb.logprobs_hp.to(logprobs.device), mb.old_logprobs_hp.to(logprobs.device)

@@ -163,16 +163,17 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
     if any("malformed/train" in r for r in rows):  # tasks with an answer format (data/tasks.py)
         out.insert(6, ("malformed answers, train (mean of first 20% -> mean of last 20% of steps)",
                        f"{fmt(mean_of(head, 'malformed/train'))} -> {fmt(mean_of(tail, 'malformed/train'))}"))
-    if any("calib/gate_ratio" in r for r in rows):  # strength=gated: why the bounds are (or are not) the vanilla ones
+    if any("calib/gate_ratio" in r for r in rows):  # strength=gated and decision: the distortion the shadow measured
         ratio, tokens = final_value(rows, "calib/gate_ratio"), final_value(rows, "calib/gate_hp_tokens")
         at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibration strength")) + 1
         out.insert(at, ("calibration gate: low/high-precision clip fraction below 1 - eps_low, pooled (final)",
-                        f"{fmt(ratio)}x on {fmt(tokens)} shadow-clipped tokens (opens above 1 + excess_tolerance, default 2x, on >= gate_min_tokens)"))
+                        f"{fmt(ratio)}x on {fmt(tokens)} shadow-clipped tokens (strength=gated opens above 1 + "
+                        "excess_tolerance, default 2x, on >= gate_min_tokens)"))
     decided = [r for r in rows if isinstance(r.get("calib/hp_decision"), (int, float))]
-    if decided:  # gate_opens_to=high_precision_decision: the steps an open gate decided on high-precision ratios
+    if decided:  # strength=decision (every step) or an open high_precision_decision gate
         on = [int(r["step"]) for r in decided if r["calib/hp_decision"] == 1.0]
         at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibration strength")) + 1
-        out.insert(at, ("clip decided on high-precision ratios (open gate, vanilla bounds)",
+        out.insert(at, ("clip decided on high-precision ratios (vanilla bounds)",
                         f"{len(on)} of {len(decided)} steps" + (f", first at step {on[0]}" if on else "")))
     if plots:
         stems = [Path(p).stem for p in plots]
