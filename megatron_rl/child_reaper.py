@@ -29,7 +29,7 @@ it execs from then on inherits, whenever it starts and whoever started it:
   spawned carries the mark only once exec'd), giving resource trackers a moment to exit by themselves
   first so they can clean up what they track; then it exits.
 
-Run by hand: python megatron_rl/child_reaper.py PID [POLL_S [MARK]].
+Run by hand: python -P megatron_rl/child_reaper.py PID [POLL_S [MARK]].
 """
 from __future__ import annotations
 
@@ -87,6 +87,14 @@ def trainer_mark(pid: Optional[int] = None) -> str:
     return f"{proc.pid}:{proc.create_time()!r}"
 
 
+def watchdog_command(pid: int, poll_s: float, mark: str) -> list[str]:
+    """argv of the watchdog of trainer `pid`: this file as a script under this interpreter."""
+    # -P: not the script's directory first on sys.path, where megatron_rl/types.py would shadow the standard library's
+    # `types` (ctypes imports it) in an interpreter whose site hooks have not imported it already (a venv without
+    # setuptools' .pth files): the watchdog then died on start, silently
+    return [sys.executable, "-P", os.path.abspath(__file__), str(pid), str(poll_s), mark]
+
+
 def ensure_reaper() -> None:
     """Guard this process's forks, mark what it execs and start its watchdog, unless running (cheap before every checkpoint write)."""
     global _REAPER
@@ -95,7 +103,7 @@ def ensure_reaper() -> None:
         return
     mark = trainer_mark()
     os.environ[TRAINER_MARK_ENV] = mark  # before anything is spawned: the watchdog finds all of it by this mark
-    _REAPER = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid()), str(POLL_S), mark],
+    _REAPER = subprocess.Popen(watchdog_command(os.getpid(), POLL_S, mark),
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     # on a normal exit Python's own handlers stop megatron's Manager: the watchdog is not needed then
     atexit.unregister(stop_reaper)
