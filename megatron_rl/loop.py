@@ -61,9 +61,9 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
     # strength=decision (or an open high_precision_decision gate) decides this whole step's clips on high-precision
     # ratios of every row
     gate_open = error_scale.gate_open(session.clipper, cfg.precision.recipe)
-    plan = CalibrationPlan.build(step, cfg.algo.calibration, cfg.train, batch.batch_size,
-                                 skip_rows=batching.on_policy_only_rows(batch.batch_size, cfg.train.num_minibatches,
-                                                                        cfg.train.ppo_epochs, cfg.train.seed, step),
+    on_policy_only = batching.on_policy_only_rows(batch.batch_size, cfg.train.num_minibatches, cfg.train.ppo_epochs,
+                                                  cfg.train.seed, step)
+    plan = CalibrationPlan.build(step, cfg.algo.calibration, cfg.train, batch.batch_size, skip_rows=on_policy_only,
                                  whole_shadow=gate_open)
     probed = health.probe_rows(learner, mbs) if cfg.train.health.check_updated_policy else None
     with timers("logprobs"):
@@ -71,7 +71,8 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
                                                kv_cache=session.kv_cache,
                                                row_groups=batching.old_logprob_row_groups(batch.batch_size, cfg.train, step))
         batch = with_sequence_rollout_weights(batch, cfg.algo)
-        batch = error_scale.with_old_logprobs_hp(learner, batch, mbs, cfg.algo, gate_open)  # no-op unless a decision needs it
+        # no-op unless a decision needs it
+        batch = error_scale.with_old_logprobs_hp(learner, batch, mbs, cfg.algo, gate_open, on_policy_only)
     calib = StepCalibration(session.clipper, plan, cfg, session.run_dir)
     sums, learner_metrics = None, {}
     with timers("train"):

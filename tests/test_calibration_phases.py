@@ -170,3 +170,35 @@ def test_a_closed_gate_trains_the_on_policy_update_at_the_vanilla_bounds(world_o
         mb = next(iter(batching.minibatches(step_batch, 2, seed=0)))
         _, bounds, _ = calib.before_update(RecordingLearner(), mb, 0, 0)
         assert tuple(float(b) for b in bounds) == (pytest.approx(want[0]), pytest.approx(want[1]))
+
+
+def test_the_high_precision_decision_forwards_pi_old_on_the_off_policy_rows_only(world_of_one):
+    """A step whose clip is decided on high-precision ratios (strength=decision, the default) forwards high-precision
+    pi_old on the rows an off-policy update trains on, not on the rows only the on-policy first update trains on
+    (their ratio is 1 whatever they hold): a third fewer forwards at 2 mini-batches; the values on the forwarded rows
+    are the full forward's, and without such rows (ppo_epochs > 1) every row is forwarded."""
+    from megatron_rl.phases import error_scale
+
+    cfg = load_config(None, ["precision.recipe=tensorwise", "algo.calibration.enabled=true", "train.num_minibatches=2",
+                             "train.micro_batch_size=4"])
+    batch = _batch()
+    skip = batching.on_policy_only_rows(16, 2, 1, cfg.train.seed, 3)
+    assert len(skip) == 8
+    learner = RecordingLearner()
+    out = error_scale.with_old_logprobs_hp(learner, batch, 4, cfg.algo, gate_open=True, on_policy_only_rows=skip)
+    forwarded = [row for hp, rows in learner.calls if hp for row in rows]
+    assert sorted(set(forwarded)) == [i for i in range(16) if i not in skip] and len(forwarded) == 8
+    full_learner = RecordingLearner()
+    full = error_scale.with_old_logprobs_hp(full_learner, batch, 4, cfg.algo, gate_open=True)
+    assert sorted(row for _, rows in full_learner.calls for row in rows) == list(range(16))
+    off = torch.tensor([i not in skip for i in range(16)])
+    assert torch.equal(out.old_logprobs_hp[off], full.old_logprobs_hp[off]) and (out.old_logprobs_hp[~off] == 0).all()
+    # the on-policy update reads those rows as its own current policy too: its high-precision ratio is exactly 1
+    first = batching.minibatches(out, 2, batching.minibatch_seed(cfg.train.seed, 3, 0))[0]
+    assert sorted(first.sample_index.tolist()) == sorted(skip)
+    first = error_scale.with_logprobs_hp(learner, first, 4, cfg.algo, first_update=True, gate_open=True)
+    assert torch.equal(first.logprobs_hp, first.old_logprobs_hp)
+    # closed (no decision this step): nothing is forwarded
+    learner.calls.clear()
+    assert error_scale.with_old_logprobs_hp(learner, batch, 4, cfg.algo, gate_open=False, on_policy_only_rows=skip) is batch
+    assert learner.calls == []

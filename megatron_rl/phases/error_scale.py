@@ -5,17 +5,17 @@ steps that start with the calibration gate open). `gate_open` reads the calibrat
 step from the clipper's state, so every rank and a resumed run agree.
 
 The clip decision of every training token uses r_k = r_hp * (r_lp / r_hp)^k (algo/error_scale.py), so
-every token needs its high-precision ratio: pi_old_hp of the whole step batch after the log-probs phase
+every token needs its high-precision ratio: pi_old_hp of the step batch's off-policy rows after the log-probs phase
 (`with_old_logprobs_hp`) and the current policy's high-precision log-probs before every update
 (`with_logprobs_hp`; the step's first update runs on pi_old's weights, so it reuses pi_old_hp). Calibration
-steps that already ran these shadow forwards (all rows) are not repeated. In the loss
+steps that already ran these shadow forwards (all off-policy rows) are not repeated. In the loss
 (`clip_decision`): r_k for the clip masks, plus `experimental/*` clip fractions under the unscaled
 low-precision and the high-precision ratios of the same tokens and bounds. Off (k = 1) everything here is
 a no-op and costs nothing.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import all_gather_dp_rows
 from megatron_rl.phases.batching import dp_shard
-from megatron_rl.phases.logprobs import current_logprobs_hp
+from megatron_rl.phases.logprobs import current_logprobs_hp, shadow_old_logprobs
 from megatron_rl.types import TrainBatch
 
 
@@ -52,10 +52,17 @@ def active(algo: AlgoConfig, gate_open: bool = False) -> bool:
 
 
 def with_old_logprobs_hp(learner, batch: TrainBatch, micro_batch_size: int, algo: AlgoConfig,
-                         gate_open: bool = False) -> TrainBatch:
-    """The step batch with high-precision pi_old on every row (each DP rank forwards its shard, rows all-gathered)."""
+                         gate_open: bool = False, on_policy_only_rows: Sequence[int] = ()) -> TrainBatch:
+    """The step batch with high-precision pi_old on every row an off-policy update trains on (each DP rank forwards
+    its share, rows all-gathered). `on_policy_only_rows` (batching.on_policy_only_rows) hold 0: only the step's first
+    update reads them, as its own current policy too, so their high-precision ratio is exactly 1 whatever they hold
+    (at 2 mini-batches this spares a third of the decision's high-precision forwards)."""
     if not active(algo, gate_open) or batch.old_logprobs_hp is not None:
         return batch
+    if on_policy_only_rows:
+        skip = set(on_policy_only_rows)
+        rows = [i for i in range(batch.batch_size) if i not in skip]
+        return batch.with_fields(old_logprobs_hp=shadow_old_logprobs(learner, batch, rows, micro_batch_size))
     shard = dp_shard(batch, state.dp_rank(), state.dp_size())
     return batch.with_fields(old_logprobs_hp=all_gather_dp_rows(current_logprobs_hp(learner, shard, micro_batch_size)))
 

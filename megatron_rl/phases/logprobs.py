@@ -75,7 +75,7 @@ def _padded(batch: TrainBatch, rows: list[int], multiple: int) -> TrainBatch:
     return batch.select(rows + rows[:1] * pad)
 
 
-def _shadow_old_logprobs(learner, batch: TrainBatch, rows: list[int], micro_batch_size: int) -> torch.Tensor:
+def shadow_old_logprobs(learner, batch: TrainBatch, rows: list[int], micro_batch_size: int) -> torch.Tensor:
     """High-precision pi_old of step-batch rows `rows` ([B, S], zero on other rows): only those rows are forwarded, balanced over DP."""
     if len(rows) == batch.batch_size:
         with high_precision():
@@ -114,7 +114,7 @@ def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, plan: Opt
         metrics["health/probe_entropy_before"] = float(ent[:probe_rows][probed].mean()) if probed.any() else float("nan")
     if plan is not None and plan.shadow:
         rows = list(plan.shadow_rows)
-        lp_hp = _shadow_old_logprobs(learner, batch, rows, micro_batch_size)
+        lp_hp = shadow_old_logprobs(learner, batch, rows, micro_batch_size)
         changes["old_logprobs_hp"] = lp_hp
         shadow_mask = mask & plan.row_mask(batch.sample_index, batch.batch_size).to(mask.device)[:, None]
         if shadow_mask.any():
