@@ -250,3 +250,26 @@ def test_plan_shows_kv_memory_and_the_concurrency_fp8_kv_buys():
     llama = load_config(CONFIGS / "qwen3_8b_fp8_grpo.yaml", ["precision.kv_cache_dtype=fp8_e4m3", "model.preset=llama3-8b"],
                         check_layout=False)
     assert make_plan(llama, 2, 8, "h100").kv_cache_scales == "recalibrate"
+
+
+def test_the_high_precision_forwards_follow_the_calibration_rule():
+    """The learner estimate counts the high-precision forwards each step runs: under calibration's default
+    (strength=decision) pi_old on the off-policy rows and each off-policy update's rows, every step (1 step batch at 2
+    mini-batches and 1 epoch); the shadow of strength=full only on its events (/ calibrate_every, x shadow_fraction);
+    none without calibration, and only the events' shadow in high precision (nothing to decide); so the decision's
+    learner time is the highest of them."""
+    from megatron_rl.plan.throughput import high_precision_forwards
+
+    assert high_precision_forwards(2, 1) == 1.0 and high_precision_forwards(4, 1) == 0.75 + 0.75
+    assert high_precision_forwards(2, 2) == 1.0 + 1.5  # with a second epoch every row is trained off-policy
+    grpo = ["train.num_minibatches=2", "train.ppo_epochs=1"]
+    decision, full = _plan(grpo), _plan([*grpo, "algo.calibration.strength=full"])
+    off, hp = _plan([*grpo, "algo.calibration.enabled=false"]), _plan([*grpo, "precision.recipe=none"])
+    forward = decision.flops.forward_only  # one forward of the step's tokens (no KL reference in this config)
+    assert decision.flops.shadow == pytest.approx(forward)
+    assert full.flops.shadow == pytest.approx(forward / 20)  # calibrate_every 20 in the config, shadow on every row
+    assert off.flops.shadow == 0
+    assert hp.flops.shadow == pytest.approx(full.flops.shadow)  # high precision: its events' shadow only, no decision
+    assert off.step_time.learner < full.step_time.learner < decision.step_time.learner
+    option = _plan([*grpo, "algo.calibration.enabled=false", "algo.policy_loss.clip_decision=high_precision"])
+    assert option.flops.shadow == decision.flops.shadow

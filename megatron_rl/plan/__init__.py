@@ -266,7 +266,11 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     flops = throughput.learner_flops(arch, tokens, context, ppo_epochs=t.ppo_epochs, kl=cfg.algo.kl.coef > 0,
                                      calibrating=calib.enabled and calib.target_source == "shadow",
                                      calibrate_every=calib.calibrate_every, shadow_fraction=calib.shadow_fraction,
-                                     updates=t.num_minibatches * t.ppo_epochs)
+                                     num_minibatches=t.num_minibatches,
+                                     decides_every_step=prec.recipe != "none" and (
+                                         cfg.algo.policy_loss.clip_decision == "high_precision"
+                                         or cfg.algo.experimental.clip_error_scale != 1.0
+                                         or (calib.enabled and calib.strength == "decision")))
     rollout_gpus = lay.engine_gpus if lay.engine_kind != "embedded" else replicas * r.engine_tp_size
     per_gpu_weights = em.weights if em else memory.served_weight_bytes(arch, fp8_rollout) // r.engine_tp_size
     kv_token = em.kv_bytes_per_token if em else memory.kv_bytes_per_token(arch, r.engine_tp_size, False)

@@ -93,7 +93,7 @@ def render(plan: Plan, title: str = "") -> str:
         f"  tokens per step     {plan.tokens_per_step:.3g} (prompt {plan.options.prompt_tokens} + response "
         f"{plan.options.response_fill:g} x max_new_tokens)",
         f"  learner FLOPs       {plan.flops.total:.3g} (train {plan.flops.train:.3g}, forward-only {plan.flops.forward_only:.3g}, "
-        f"shadow {plan.flops.shadow:.3g}) [Kaplan et al. 2020: 2N + 2 L n_ctx d_attn per token]",
+        f"high-precision shadow / clip decision {plan.flops.shadow:.3g}) [Kaplan et al. 2020: 2N + 2 L n_ctx d_attn per token]",
         f"  learner             {st.learner:10.1f} s at MFU {plan.options.mfu:g} of BF16 peak, FP8 speed-up {plan.options.fp8_speedup:g}",
         f"  rollout             {st.rollout:10.1f} s at {plan.decode_tokens_per_s:.0f} decode tokens/s per replica "
         f"[memory-bound decode, Pope et al. 2022; HBM efficiency {plan.options.hbm_efficiency:g}]",

@@ -32,8 +32,9 @@ class LearnerFlops:
     forward_only: float
     """Old log-probs (1 forward) + KL reference forward when on."""
     shadow: float
-    """High-precision shadow forwards of calibration steps, amortised per step: (1 + (U - 1) / U) x shadow_fraction
-    forwards / calibrate_every, with U = num_minibatches x ppo_epochs (the old-policy pass + one per off-policy update)."""
+    """High-precision forwards per step (`high_precision_forwards`): those of a clip decided on high-precision ratios on
+    every step (calibration's default strength=decision, or algo.policy_loss.clip_decision=high_precision), else the
+    calibration shadow's, x shadow_fraction / calibrate_every (amortised over its events)."""
 
     @property
     def total(self) -> float:
@@ -41,13 +42,28 @@ class LearnerFlops:
         return self.train + self.forward_only + self.shadow
 
 
+def high_precision_forwards(num_minibatches: int, ppo_epochs: int) -> float:
+    """Step batches of high-precision forwards a step with a shadow (or a high-precision clip decision) runs: pi_old on
+    every row an off-policy update trains on (all but the first mini-batch's with one epoch: phases/batching.py
+    on_policy_only_rows) and the current policy on each off-policy update's rows, U - 1 updates of 1 / num_minibatches
+    each (U = num_minibatches x ppo_epochs). 2 mini-batches, 1 epoch: 0.5 + 0.5 = 1."""
+    updates = num_minibatches * ppo_epochs
+    on_policy_only = 1 / num_minibatches if ppo_epochs == 1 and num_minibatches >= 2 else 0.0
+    return (1 - on_policy_only) + (updates - 1) / num_minibatches
+
+
 def learner_flops(arch: Architecture, tokens: float, context: float, *, ppo_epochs: int, kl: bool,
-                  calibrating: bool, calibrate_every: int, shadow_fraction: float, updates: int) -> LearnerFlops:
-    """Learner FLOPs per step for `tokens` trained tokens (see LearnerFlops for each term)."""
+                  calibrating: bool, calibrate_every: int, shadow_fraction: float, num_minibatches: int,
+                  decides_every_step: bool = False) -> LearnerFlops:
+    """Learner FLOPs per step for `tokens` trained tokens (see LearnerFlops for each term). `decides_every_step`: the
+    clip is decided on high-precision ratios on every step (its forwards then cover every event's shadow too)."""
     fwd = forward_flops_per_token(arch, context) * tokens
+    share = high_precision_forwards(num_minibatches, ppo_epochs)
     shadow = 0.0
-    if calibrating:
-        shadow = fwd * (1 + (updates - 1) / updates) * shadow_fraction / calibrate_every
+    if decides_every_step:
+        shadow = fwd * share
+    elif calibrating:
+        shadow = fwd * share * shadow_fraction / calibrate_every
     return LearnerFlops(train=3 * fwd * ppo_epochs, forward_only=fwd * (2 if kl else 1), shadow=shadow)
 
 
