@@ -138,17 +138,17 @@ def test_wall_time_names_the_sessions():
 
 
 def test_summary_says_why_a_gated_run_keeps_or_leaves_the_vanilla_bounds():
-    """strength=gated logs the pooled clip ratio it compares with its tolerance: the summary shows the last one, right
-    after the strength row, and a run without the gate has no such row."""
+    """strength=gated (and decision) log the pooled clip ratio the gate compares with its tolerance: the summary shows
+    the last one, right after the strength row, and a run without it has no such row."""
     rows = rows_of(6)
     for s, row in enumerate(rows):
         row["calib/strength"] = 0.0
         row["calib/gate_ratio"], row["calib/gate_hp_tokens"] = (float("nan"), 0.0) if s < 2 else (1.1 + 0.1 * s, 10.0 * s)
     labels = [label for label, _ in summary_rows(rows, 0.5, 0.5, wall_s=1.0)]
-    gate = labels.index("calibration gate: low/high-precision clip fraction below 1 - eps_low, pooled (final)")
+    gate = labels.index("distortion: low/high-precision clip fraction below 1 - eps_low on the shadow's tokens, pooled (final)")
     assert labels[gate - 1].startswith("calibration strength")
     assert dict(summary_rows(rows, 0.5, 0.5, wall_s=1.0))[labels[gate]].startswith(f"{1.6:.4g}x on 50 shadow-clipped")
-    assert not any(label.startswith("calibration gate") for label, _ in summary_rows(rows_of(6), 0.5, 0.5, wall_s=1.0))
+    assert not any(label.startswith("distortion") for label, _ in summary_rows(rows_of(6), 0.5, 0.5, wall_s=1.0))
 
 
 def test_sparse_metrics_are_markers_dense_are_lines():

@@ -166,8 +166,8 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
     if any("calib/gate_ratio" in r for r in rows):  # strength=gated and decision: the distortion the shadow measured
         ratio, tokens = final_value(rows, "calib/gate_ratio"), final_value(rows, "calib/gate_hp_tokens")
         at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibration strength")) + 1
-        out.insert(at, ("calibration gate: low/high-precision clip fraction below 1 - eps_low, pooled (final)",
-                        f"{fmt(ratio)}x on {fmt(tokens)} shadow-clipped tokens (strength=gated opens above 1 + "
+        out.insert(at, ("distortion: low/high-precision clip fraction below 1 - eps_low on the shadow's tokens, pooled (final)",
+                        f"{fmt(ratio)}x on {fmt(tokens)} shadow-clipped tokens (strength=gated's gate opens above 1 + "
                         "excess_tolerance, default 2x, on >= gate_min_tokens)"))
     decided = [r for r in rows if isinstance(r.get("calib/hp_decision"), (int, float))]
     if decided:  # strength=decision (every step) or an open high_precision_decision gate
