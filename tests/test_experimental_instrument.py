@@ -218,6 +218,18 @@ def test_an_open_high_precision_decision_gate_is_the_option_in_the_loss_and_cali
     assert torch.equal(closed_loss, plain_loss) and torch.equal(closed_grad, plain_grad) and closed_sums.keys() == plain_sums.keys()
 
 
+def _calibration_event(clippers, noise: float, generator: torch.Generator) -> None:
+    """One calibration event of 400 tokens (half negative) fed to every clipper: high-precision ratios of spread 0.15,
+    low-precision ones with log-normal noise of `noise` on top."""
+    adv = torch.where(torch.arange(400) % 2 == 0, -1.0, 1.0)
+    r_hp = torch.exp(0.15 * torch.randn(400, generator=generator))
+    r_lp = r_hp * torch.exp(noise * torch.randn(400, generator=generator))
+    for c in clippers:
+        stats = c.new_stats(reference=True)
+        stats.add(r_lp, adv, ratio_hp=r_hp)
+        c.solve(stats, smooth=False)
+
+
 def test_a_high_precision_decision_gate_opens_where_the_bounds_rule_would_and_keeps_the_vanilla_bounds():
     """The same events open both forms of the gate at the same event; the bounds form moves L and H, the decision
     form holds 1 -/+ eps (on-policy updates included) and says so through decides_on_high_precision; its state
@@ -229,13 +241,7 @@ def test_a_high_precision_decision_gate_opens_where_the_bounds_rule_would_and_ke
     assert to_hp.cfg.gate_opens_to == "high_precision_decision"  # the default
     opened = []
     for noise in (0.01, 0.01, 0.3, 0.3, 0.3):
-        adv = torch.where(torch.arange(400) % 2 == 0, -1.0, 1.0)
-        r_hp = torch.exp(0.15 * torch.randn(400, generator=g))
-        r_lp = r_hp * torch.exp(noise * torch.randn(400, generator=g))
-        for c in (to_bounds, to_hp):
-            stats = c.new_stats(reference=True)
-            stats.add(r_lp, adv, ratio_hp=r_hp)
-            c.solve(stats, smooth=False)
+        _calibration_event((to_bounds, to_hp), noise, g)
         assert to_hp.strength == to_bounds.strength and to_hp.gate_counts == to_bounds.gate_counts
         assert to_hp.decides_on_high_precision() == (to_hp.strength == 1.0)
         assert not to_bounds.decides_on_high_precision()
@@ -265,13 +271,7 @@ def test_the_decision_rule_decides_from_the_first_step_moves_no_bound_and_measur
     assert decision.cfg.strength == "decision" and decision.high_precision_decision_rule  # the default
     assert decision.decides_on_high_precision() and not gated.decides_on_high_precision()
     for noise in (0.01, 0.3, 0.3):
-        adv = torch.where(torch.arange(400) % 2 == 0, -1.0, 1.0)
-        r_hp = torch.exp(0.15 * torch.randn(400, generator=g))
-        r_lp = r_hp * torch.exp(noise * torch.randn(400, generator=g))
-        for c in (decision, gated):
-            stats = c.new_stats(reference=True)
-            stats.add(r_lp, adv, ratio_hp=r_hp)
-            c.solve(stats, smooth=False)
+        _calibration_event((decision, gated), noise, g)
         assert decision.gate_counts == gated.gate_counts  # the same measurement as the gate's
         assert decision.decides_on_high_precision()
         assert (decision.lower, decision.upper) == (pytest.approx(0.8), pytest.approx(1.2))
