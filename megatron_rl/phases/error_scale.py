@@ -24,9 +24,6 @@ from megatron_rl.algo.error_scale import error_scaled_ratio
 from megatron_rl.algo.losses import log_ratio
 from megatron_rl.algo.objective import default_bounds
 from megatron_rl.config.algo import AlgoConfig
-from megatron_rl.parallel import state
-from megatron_rl.parallel.comm import all_gather_dp_rows
-from megatron_rl.phases.batching import dp_shard
 from megatron_rl.phases.logprobs import current_logprobs_hp, shadow_old_logprobs
 from megatron_rl.types import TrainBatch
 
@@ -59,12 +56,9 @@ def with_old_logprobs_hp(learner, batch: TrainBatch, micro_batch_size: int, algo
     (at 2 mini-batches this spares a third of the decision's high-precision forwards)."""
     if not active(algo, gate_open) or batch.old_logprobs_hp is not None:
         return batch
-    if on_policy_only_rows:
-        skip = set(on_policy_only_rows)
-        rows = [i for i in range(batch.batch_size) if i not in skip]
-        return batch.with_fields(old_logprobs_hp=shadow_old_logprobs(learner, batch, rows, micro_batch_size))
-    shard = dp_shard(batch, state.dp_rank(), state.dp_size())
-    return batch.with_fields(old_logprobs_hp=all_gather_dp_rows(current_logprobs_hp(learner, shard, micro_batch_size)))
+    skip = set(on_policy_only_rows)
+    rows = [i for i in range(batch.batch_size) if i not in skip]
+    return batch.with_fields(old_logprobs_hp=shadow_old_logprobs(learner, batch, rows, micro_batch_size))
 
 
 def with_logprobs_hp(learner, mb: TrainBatch, micro_batch_size: int, algo: AlgoConfig, first_update: bool,
