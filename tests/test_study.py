@@ -530,6 +530,33 @@ def test_dose_report_pairs_every_arm_with_the_perfect_clip_decision_at_k0(tmp_pa
     assert (study.report_out / "dose.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_dose_report_pairs_the_k_free_default_with_vanilla_at_every_k(tmp_path):
+    """strength=decision (the default, here implied by enabled alone) trains the same at any k: one run per seed is
+    paired with vanilla at k = 1 and at k = 8; a full-strength arm, whose bounds follow k, is not."""
+    from megatron_rl.study.dose import write_dose_report
+
+    arms = [{"name": "hp", "overrides": {}},
+            {"name": "fp8", "overrides": {"precision.recipe": "blockwise"}},
+            {"name": "fp8_k8", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 8.0}},
+            {"name": "fp8_default", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True}},
+            {"name": "fp8_full", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True,
+                                               "algo.calibration.strength": "full"}}]
+    study = load_study(_spec(tmp_path, arms=arms, seeds=[1, 2]))
+    # eval_after = 0.2 + k
+    for arm, seed, k in (("hp", 1, 0.7), ("hp", 2, 0.6), ("fp8", 1, 0.65), ("fp8", 2, 0.6), ("fp8_k8", 1, 0.4),
+                         ("fp8_k8", 2, 0.5), ("fp8_default", 1, 0.6), ("fp8_default", 2, 0.65), ("fp8_full", 1, 0.5),
+                         ("fp8_full", 2, 0.45)):
+        _fake_run(study, arm, seed, k, dumps=False)
+    text = write_dose_report(study).read_text()
+    rows = {tuple(c.strip() for c in ln.split("|")[1:3]): [c.strip() for c in ln.split("|")[3:-1]]
+            for ln in text.splitlines() if ln.startswith("| ") and " - " in ln.split("|")[1]}
+    metric = "held-out accuracy after RL (points)"
+    assert rows[("calibrated k=1 - vanilla", metric)][6] == "-5.00 +5.00"
+    assert rows[("calibrated (any k) - vanilla k=8", metric)][6] == "+20.00 +15.00"
+    assert not any("strength=full (any k)" in pair for pair, _ in rows)
+    assert rows[("calibrated, strength=full k=1 - vanilla", metric)][6] == "-15.00 -15.00"
+
+
 def _assert_shared_runs_agree(spec: str, others: tuple[str, ...]) -> int:
     """Every (arm, seed) run `spec` shares with `others` (same directory and warm start) has the same config, or the
     runner would refuse the directory; returns how many are shared."""

@@ -13,7 +13,8 @@ the runs of one seed share the warm start and the first rollouts, so the paired 
 seed spread the arms have in common; its mean comes with a bootstrap 95% interval and a sign-flip p-value (numpy; the
 project has no scipy). An arm at k = 0 (the clip decided on the high-precision ratio: a perfect clip decision with the
 arm's own gradients) is the ceiling of every clip rule, so every arm is also paired with it; dose.png draws it as a
-level. Pure reading of finished runs: nothing is trained here.
+level. An arm whose every clip is decided on the high-precision ratio (strength=decision, the default) trains the same
+at any k, so it is also paired with vanilla at every other k. Pure reading of finished runs: nothing is trained here.
 """
 from __future__ import annotations
 
@@ -58,6 +59,17 @@ def arm_dose(overrides: dict[str, Any]) -> tuple[Optional[float], str]:
     return k, ", ".join(["calibrated", *(f"{key}={value}" for key, value in settings)])
 
 
+def decides_every_clip_on_high_precision(cfg) -> bool:
+    """Whether a run's every clip is decided on the high-precision ratio from step 0 (algo.calibration.strength=decision,
+    the default, or algo.policy_loss.clip_decision=high_precision), so its training does not depend on the instrument's
+    k; read from the resolved config, so that an arm relying on the default strength counts."""
+    algo = cfg.algo
+    if cfg.precision.recipe == "none":
+        return False
+    return algo.policy_loss.clip_decision == "high_precision" or (algo.calibration.enabled
+                                                                   and algo.calibration.strength == "decision")
+
+
 CALIBRATION = "algo.calibration."
 DEFAULT_SHADOW_FRACTION = CalibrationConfig.model_fields["shadow_fraction"].default
 """An arm that sets shadow_fraction to the default is the default calibration (the k > 1 arms spell it out); any other
@@ -94,10 +106,12 @@ def paired_summary(diffs: Sequence[float], resamples: int = PAIRED_RESAMPLES) ->
     return {**out, "lo": float(lo), "hi": float(hi), "p": p}
 
 
-def paired_table(study, records, owner: dict[tuple, str], ref_name: Optional[str]) -> list[str]:
+def paired_table(study, records, owner: dict[tuple, str], ref_name: Optional[str],
+                 k_free: frozenset[str] = frozenset()) -> list[str]:
     """Markdown lines: for every k with a vanilla arm, each other variant minus vanilla seed by seed, and vanilla minus
-    the reference; with a vanilla arm at k = 0, every arm minus it too; one row per (pair, metric) that some seed has on
-    both sides."""
+    the reference; with a vanilla arm at k = 0, every arm minus it too; each arm of `k_free` (whose training does not
+    depend on k: decides_every_clip_on_high_precision) minus vanilla at every other k; one row per (pair, metric) that
+    some seed has on both sides."""
     by_label = {m.label: m for m in results.METRICS}
     value = {}
     for r in records:
@@ -124,6 +138,15 @@ def paired_table(study, records, owner: dict[tuple, str], ref_name: Optional[str
         for (k, variant), name in ordered:
             if k is not None and name != perfect:
                 pairs.append((f"{variant} k={k:g} - vanilla k=0", name, perfect))
+    # an arm that decides every clip on the high-precision ratio (strength=decision) trains the same at any k (only its
+    # calibration events see the instrument), so it is also paired with vanilla at every other k: one run per seed
+    # answers "is the default below vanilla at k = 1, above it at k = 8"
+    for (k, variant), name in ordered:
+        if k is None or k == 0.0 or name not in k_free:
+            continue
+        for (k_other, other_variant), other in ordered:
+            if other_variant == "vanilla" and k_other not in (None, 0.0, k):
+                pairs.append((f"{variant} (any k) - vanilla k={k_other:g}", name, other))
     lines = []
     for title, a, b in pairs:
         for label in PAIRED_METRICS:
@@ -192,7 +215,10 @@ def dose_table(study) -> tuple[str, dict]:
         lines.append("| " + " | ".join(row) + " |")
     seeds = {name: sum(r.status == "done" for r in records if r.arm == name) for name in names}
     lines += ["", "Finished seeds per arm: " + ", ".join(f"`{n}` {c}" for n, c in seeds.items()) + ".", ""]
-    lines += paired_table(study, records, owner, ref_name)
+    warm = study.warm_overrides()
+    k_free = frozenset(a.name for a in study.spec.arms if study.spec.seeds
+                       and decides_every_clip_on_high_precision(study.run_config(a.name, study.spec.seeds[0], warm)))
+    lines += paired_table(study, records, owner, ref_name, k_free)
     return "\n".join(lines), dose
 
 
