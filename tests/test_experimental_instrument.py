@@ -285,3 +285,21 @@ def test_the_decision_rule_decides_from_the_first_step_moves_no_bound_and_measur
         CalibratedClipper(decision.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(gated.state_dict())
     with pytest.raises(ConfigError, match=r"algo\.calibration\.strength=gated.*strength=decision"):
         CalibratedClipper(gated.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(decision.state_dict())
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["precision.recipe=tensorwise"], ["precision.recipe=tensorwise", "algo.calibration.enabled=true"],
+    ["precision.recipe=tensorwise", "algo.calibration.enabled=true", "algo.calibration.strength=full"],
+    ["precision.recipe=tensorwise", "algo.calibration.enabled=true", "algo.calibration.strength=gated"],
+    ["precision.recipe=tensorwise", "algo.policy_loss.clip_decision=high_precision"],
+    ["precision.recipe=tensorwise", "algo.experimental.clip_error_scale=8"],
+    ["precision.recipe=tensorwise", "algo.experimental.clip_error_scale=8", "algo.calibration.enabled=true"],
+    ["algo.calibration.enabled=true"]])
+def test_the_config_level_decision_scale_is_the_loops_at_the_first_step(overrides):
+    """The planner and the study reports read every_step_decision_scale from the config; it must be the k the loop's
+    first step decides at (a gated rule's gate starts closed)."""
+    cfg = load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml", overrides)
+    clipper = CalibratedClipper(cfg.algo.calibration, eps_low=cfg.algo.policy_loss.eps_low,
+                                eps_high=cfg.algo.policy_loss.eps_high) if cfg.algo.calibration.enabled else None
+    first_step = error_scale.decision_scale(cfg.algo, error_scale.gate_open(clipper, cfg.precision.recipe))
+    assert cfg.algo.every_step_decision_scale(cfg.precision.recipe) == first_step

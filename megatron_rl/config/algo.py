@@ -226,3 +226,15 @@ class AlgoConfig(StrictConfig):
     """Bins (>= 2) of the log-ratio histograms carried in the loss metrics (for ratio quantiles)."""
     ratio_hist_log_range: PositiveFloat = 2.0
     """Those histograms cover log r in [-range, range] (> 0; plus under/overflow)."""
+
+    def every_step_decision_scale(self, recipe: str) -> float:
+        """k of the PPO clip decision on every step, fixed by the config whatever the calibration's state: 0 (the
+        high-precision ratio) under policy_loss.clip_decision=high_precision or calibration strength=decision, the
+        instrument's k otherwise, 1 (the learner's own ratio) under precision.recipe=none. What the loop's
+        phases.error_scale.decision_scale gives at a closed gate; the planner and the study reports read it."""
+        if recipe == "none":
+            return 1.0
+        if self.policy_loss.clip_decision == "high_precision" or (self.calibration.enabled
+                                                                  and self.calibration.strength == "decision"):
+            return 0.0
+        return self.experimental.clip_error_scale

@@ -267,10 +267,7 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                                      calibrating=calib.enabled and calib.target_source == "shadow",
                                      calibrate_every=calib.calibrate_every, shadow_fraction=calib.shadow_fraction,
                                      num_minibatches=t.num_minibatches,
-                                     decides_every_step=prec.recipe != "none" and (
-                                         cfg.algo.policy_loss.clip_decision == "high_precision"
-                                         or cfg.algo.experimental.clip_error_scale != 1.0
-                                         or (calib.enabled and calib.strength == "decision")))
+                                     decides_every_step=cfg.algo.every_step_decision_scale(prec.recipe) != 1.0)
     rollout_gpus = lay.engine_gpus if lay.engine_kind != "embedded" else replicas * r.engine_tp_size
     per_gpu_weights = em.weights if em else memory.served_weight_bytes(arch, fp8_rollout) // r.engine_tp_size
     kv_token = em.kv_bytes_per_token if em else memory.kv_bytes_per_token(arch, r.engine_tp_size, False)

@@ -59,17 +59,6 @@ def arm_dose(overrides: dict[str, Any]) -> tuple[Optional[float], str]:
     return k, ", ".join(["calibrated", *(f"{key}={value}" for key, value in settings)])
 
 
-def decides_every_clip_on_high_precision(cfg) -> bool:
-    """Whether a run's every clip is decided on the high-precision ratio from step 0 (algo.calibration.strength=decision,
-    the default, or algo.policy_loss.clip_decision=high_precision), so its training does not depend on the instrument's
-    k; read from the resolved config, so that an arm relying on the default strength counts."""
-    algo = cfg.algo
-    if cfg.precision.recipe == "none":
-        return False
-    return algo.policy_loss.clip_decision == "high_precision" or (algo.calibration.enabled
-                                                                   and algo.calibration.strength == "decision")
-
-
 CALIBRATION = "algo.calibration."
 DEFAULT_SHADOW_FRACTION = CalibrationConfig.model_fields["shadow_fraction"].default
 """An arm that sets shadow_fraction to the default is the default calibration (the k > 1 arms spell it out); any other
@@ -110,7 +99,7 @@ def paired_table(study, records, owner: dict[tuple, str], ref_name: Optional[str
                  k_free: frozenset[str] = frozenset()) -> list[str]:
     """Markdown lines: for every k with a vanilla arm, each other variant minus vanilla seed by seed, and vanilla minus
     the reference; with a vanilla arm at k = 0, every arm minus it too; each arm of `k_free` (whose training does not
-    depend on k: decides_every_clip_on_high_precision) minus vanilla at every other k; one row per (pair, metric) that
+    depend on k: AlgoConfig.every_step_decision_scale 0) minus vanilla at every other k; one row per (pair, metric) that
     some seed has on both sides."""
     by_label = {m.label: m for m in results.METRICS}
     value = {}
@@ -215,9 +204,10 @@ def dose_table(study) -> tuple[str, dict]:
         lines.append("| " + " | ".join(row) + " |")
     seeds = {name: sum(r.status == "done" for r in records if r.arm == name) for name in names}
     lines += ["", "Finished seeds per arm: " + ", ".join(f"`{n}` {c}" for n, c in seeds.items()) + ".", ""]
-    warm = study.warm_overrides()
-    k_free = frozenset(a.name for a in study.spec.arms if study.spec.seeds
-                       and decides_every_clip_on_high_precision(study.run_config(a.name, study.spec.seeds[0], warm)))
+    # read from each arm's resolved config, so that an arm relying on the default strength counts
+    configs = [study.run_config(a.name, study.spec.seeds[0], study.warm_overrides()) for a in study.spec.arms]
+    k_free = frozenset(a.name for a, cfg in zip(study.spec.arms, configs)
+                       if cfg.algo.every_step_decision_scale(cfg.precision.recipe) == 0.0)
     lines += paired_table(study, records, owner, ref_name, k_free)
     return "\n".join(lines), dose
 
