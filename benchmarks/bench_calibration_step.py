@@ -1,4 +1,4 @@
-"""What Calibrated Clipping costs per RL step: off vs per_step (default) vs per_calibration vs per_minibatch, side by side.
+"""What Calibrated Clipping costs per RL step: off vs decision (default) vs the bound-moving rules, side by side.
 
     python benchmarks/bench_calibration_step.py [--rows 64] [--seq 32] [--micro-batch-size 16]
         [--minibatches 2] [--reps 5] [--recipe blockwise] [--no-world2] [--config examples/configs/tiny_fp8_grpo.yaml]
@@ -9,9 +9,12 @@ examples/configs (default tiny_fp8_grpo.yaml: blockwise FP8 emulation, TIS on) a
 batch (random tokens and per-sequence advantages, rollout log-probs = the policy's own +- noise), for:
 
     off                 calibration disabled (plain PPO clip at 1 -/+ eps): vanilla low precision
-    per_step            the default settings: shadow forwards on calibration steps (shadow_fraction 0.5), and on
-                        every step one pooled solve over the FP8 ratios the training forwards computed (no extra
-                        forward)
+    decision            the default (strength=decision): every clip decided on its high-precision ratio, so every
+                        step forwards pi_old in high precision on the rows an off-policy update trains and the
+                        current policy before every off-policy update; calibration events only measure
+    per_step            strength=full (the paper's bounds) with bounds_update=per_step: shadow forwards on
+                        calibration steps (shadow_fraction 0.5), and on every step one pooled solve over the FP8
+                        ratios the training forwards computed (no extra forward)
     per_step@1          the same with every off-policy row in the shadow (shadow_fraction 1)
     per_calibration     the paper: shadow forwards (shadow_fraction 1) + one pooled solve on calibration steps only
     per_calibration@f   the same with algo.calibration.shadow_fraction = f (--fraction, default 0.25)
@@ -25,8 +28,8 @@ too) for a calibration step and an ordinary step, their ratio to `off`, and the 
 over calibrate_every (calibration step + (calibrate_every - 1) ordinary steps), plus the bytes one rank
 receives per step for the ratio statistics (counted on the collectives that ran). Step-to-step noise on a
 loaded box is several percent, more than the per-step work of per_step, so it also prints the CPU time
-spent inside the calibration code paths themselves (CalibrationClock: shadow forwards, pre-passes, the loss's
-statistics tap, solves) as a share of off's step. World 1 runs in this process; unless
+spent inside the calibration code paths themselves (CalibrationClock: shadow forwards, the high-precision clip
+decision's forwards, pre-passes, the loss's statistics tap, solves) as a share of off's step. World 1 runs in this process; unless
 --no-world2 the same global batch then runs as DP=2 on two gloo processes (torch.distributed.run),
 where the statistics really travel. One CPU thread per process.
 """
@@ -42,7 +45,6 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -106,11 +108,15 @@ class CalibrationClock:
         return timed
 
     def install(self) -> None:
-        """Wrap the calibration code paths of one step: the shadow pi_old forward, StepCalibration's per-update work
-        (shadow pi_theta forwards, per_minibatch pre-pass and solve) and end-of-step solve, the loss's statistics tap."""
-        from megatron_rl.phases import calibrate, logprobs, loss
+        """Wrap the calibration code paths of one step: the shadow pi_old forward, the high-precision clip decision's
+        forwards (pi_old and every off-policy update's policy), StepCalibration's per-update work (shadow pi_theta
+        forwards, per_minibatch pre-pass and solve) and end-of-step solve, the loss's statistics tap. Each is looked
+        up by name, so a rename fails here instead of timing nothing."""
+        from megatron_rl.phases import calibrate, error_scale, logprobs, loss
 
-        logprobs._shadow_old_logprobs = self.wrap(logprobs._shadow_old_logprobs)
+        logprobs.shadow_old_logprobs = self.wrap(logprobs.shadow_old_logprobs)
+        error_scale.with_old_logprobs_hp = self.wrap(error_scale.with_old_logprobs_hp)
+        error_scale.with_logprobs_hp = self.wrap(error_scale.with_logprobs_hp)
         calibrate.StepCalibration.before_update = self.wrap(calibrate.StepCalibration.before_update)
         calibrate.StepCalibration.finish = self.wrap(calibrate.StepCalibration.finish)
         loss.RLLoss._collect = self.wrap(loss.RLLoss._collect)
@@ -119,11 +125,13 @@ class CalibrationClock:
 def variants(fraction: float) -> dict[str, list[str]]:
     """Config overrides of each variant (on top of --config's calibration settings, e.g. calibrate_every)."""
     on = "algo.calibration.enabled=true"
-    paper = [on, "algo.calibration.on_policy_bounds=held", "algo.calibration.shadow_fraction=1.0"]
+    full = [on, "algo.calibration.strength=full"]
+    paper = [*full, "algo.calibration.on_policy_bounds=held", "algo.calibration.shadow_fraction=1.0"]
     return {
         "off": ["algo.calibration.enabled=false"],
-        "per_step": [on, "algo.calibration.bounds_update=per_step"],
-        "per_step@1": [on, "algo.calibration.bounds_update=per_step", "algo.calibration.shadow_fraction=1.0"],
+        "decision": [on, "algo.calibration.strength=decision"],
+        "per_step": [*full, "algo.calibration.bounds_update=per_step"],
+        "per_step@1": [*full, "algo.calibration.bounds_update=per_step", "algo.calibration.shadow_fraction=1.0"],
         "per_calibration": [*paper, "algo.calibration.bounds_update=per_calibration"],
         f"per_calibration@{fraction:g}": [*paper, "algo.calibration.bounds_update=per_calibration",
                                           f"algo.calibration.shadow_fraction={fraction}"],
@@ -163,7 +171,7 @@ def measure(args) -> dict[str, Any]:
     from megatron_rl.config.model import ParallelConfig
     from megatron_rl.loop import train_on_batch
     from megatron_rl.parallel import collectives, state
-    from megatron_rl.runtime import make_clipper
+    from megatron_rl.runtime import RunSession, make_clipper
     from megatron_rl.tracking import Timers
     from megatron_rl.trainer.learner import Learner
 
@@ -189,8 +197,10 @@ def measure(args) -> dict[str, Any]:
     for v, cfg in cfgs.items():
         lr = learner if v == "off" else Learner(cfg.model, pcfg, cfg.optim, cfg.precision, vocab_size=args.vocab,
                                                 seed=cfg.train.seed, total_steps=cfg.train.optimizer_steps)
-        sessions[v] = SimpleNamespace(cfg=cfg, learner=lr, clipper=make_clipper(cfg), reference=None,
-                                      run_dir=Path(tempfile.gettempdir()))
+        # the loop's own session type: a field the training phase starts reading has its default here, not an
+        # AttributeError (no engines, prompts or tokenizer: nothing outside the training phase runs)
+        sessions[v] = RunSession(cfg=cfg, run_dir=Path(tempfile.gettempdir()), tokenizer=None, train_rows=[], eval_rows=[],
+                                 reward_fn=None, learner=lr, clipper=make_clipper(cfg), hf_dir="")
     counter = CollectiveCounter(collectives.dist)
     collectives.dist = counter
     clock = CalibrationClock()
