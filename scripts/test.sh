@@ -20,5 +20,8 @@ for arg in "$@"; do
     -n|-n*|--numprocesses*|no:xdist) workers=() ;;
   esac
 done
+# One intra-op thread per worker (unless the caller set OMP_NUM_THREADS): 3 workers of 2 torch threads each on 2 cores
+# oversubscribe them, and every subprocess a test starts already runs on one thread (tests/rl_runs.py, conftest.py).
+if [ ${#workers[@]} -gt 0 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 # The 25 slowest tests close every run: where the suite's time goes, read off any run (CI's included).
 exec .venv/bin/python -m pytest "${quiet[@]}" "${workers[@]}" --durations=25 "$@"

@@ -125,34 +125,43 @@ def test_pp2_matches_single_process_and_resumes_calibrated(single, tmp_path):
     assert check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False, **SPEC) == [0, 1, 2]
 
 
-OPTION = ("algo.calibration.enabled=false", "algo.policy_loss.clip_decision=high_precision")
-DECISION = ("algo.calibration.enabled=true", "algo.calibration.strength=decision")  # calibration's default: events beside it
+DECISION = ("train.steps=1", "algo.calibration.enabled=true", "algo.calibration.strength=decision")
+"""Calibration's default strength=decision, with its events beside it. The other route to the same clip decision,
+algo.policy_loss.clip_decision=high_precision, forwards and gathers through the same phases/error_scale functions (the
+config only sets their k to 0: tests/test_experimental_instrument.py), and runs through the loop in one process in
+tests/test_dose_instrument_run.py; one DP=2 run of it here cost two more launches of this, the suite's longest, file."""
 
 
-@pytest.mark.parametrize("form, layout", [
-    (OPTION, ("train.micro_batch_size=4",)),
-    (DECISION, ("train.micro_batch_size=4",)),
-    (DECISION, ("train.micro_batch_size=8", "parallel.pipeline_model_parallel_size=2")),
-], ids=["option_dp2", "calibration_default_dp2", "calibration_default_pp2"])
-def test_high_precision_clip_decision_under_dp2_and_pp2(tmp_path_factory, tmp_path, form, layout):
-    """algo.policy_loss.clip_decision=high_precision, and calibration's default strength=decision, with DP=2 or PP=2:
-    every DP rank forwards its shard of pi_old and of each update's policy in high precision and the rows are gathered
-    back in place (PP: the last stage's log-probs reach every stage like pi_old's), so step 0's high-precision clip
-    fractions (reduced over the ranks) equal the single-process run's (FP8's own ratios may differ there: the DP
-    gradient sum's last bits move FP8 roundings after the first update, the fp32 forwards only by those last bits),
-    and the clip the loss applies is the high-precision one on both."""
+@pytest.fixture(scope="module")
+def decision_single(tmp_path_factory):
+    """Rows of the single-process strength=decision run, the reference of both layouts below."""
     warm = warm_start(tmp_path_factory)
-    common = ("train.steps=1", *form)
-    single = train(tmp_path / "dp1", tiny_overrides(warm, *common, "train.micro_batch_size=8"))
-    dp2 = train(tmp_path / "dp2", tiny_overrides(warm, *common, *layout, "rollout.weight_sync.transport=tensor"), nproc=2)
-    for rows in (single, dp2):
+    rows = train(tmp_path_factory.mktemp("decision") / "dp1", tiny_overrides(warm, *DECISION, "train.micro_batch_size=8"))
+    assert rows[0]["experimental/hp_clipfrac"] > 0  # the comparison is about clipped tokens, not two zeros
+    return warm, rows
+
+
+@pytest.mark.parametrize("layout", [
+    ("train.micro_batch_size=4",),
+    ("train.micro_batch_size=8", "parallel.pipeline_model_parallel_size=2"),
+], ids=["calibration_default_dp2", "calibration_default_pp2"])
+def test_high_precision_clip_decision_under_dp2_and_pp2(decision_single, tmp_path, layout):
+    """Calibration's default strength=decision with DP=2 or PP=2: every DP rank forwards its shard of pi_old and of
+    each update's policy in high precision and the rows are gathered back in place (PP: the last stage's log-probs
+    reach every stage like pi_old's), so step 0's high-precision clip fractions (reduced over the ranks) equal the
+    single-process run's (FP8's own ratios may differ there: the DP gradient sum's last bits move FP8 roundings after
+    the first update, the fp32 forwards only by those last bits), and the clip the loss applies is the high-precision
+    one on both."""
+    warm, single = decision_single
+    parallel = train(tmp_path / "run", tiny_overrides(warm, *DECISION, *layout, "rollout.weight_sync.transport=tensor"),
+                     nproc=2)
+    for rows in (single, parallel):
         for side in ("clipfrac", "clipfrac_lower_neg", "clipfrac_upper_pos"):
             assert rows[0][side] == pytest.approx(rows[0][f"experimental/hp_{side}"], abs=1e-12), side
-        if form == DECISION:
-            assert rows[0]["calib/hp_decision"] == 1.0
+        assert rows[0]["calib/hp_decision"] == 1.0
     for side in ("clipfrac", "clipfrac_lower_neg", "clipfrac_upper_pos"):
-        assert dp2[0][f"experimental/hp_{side}"] == pytest.approx(single[0][f"experimental/hp_{side}"], abs=1e-9), side
-    assert single[0]["experimental/hp_clipfrac"] > 0  # the comparison is about clipped tokens, not two zeros
+        assert parallel[0][f"experimental/hp_{side}"] == pytest.approx(single[0][f"experimental/hp_{side}"],
+                                                                        abs=1e-9), side
 
 
 def test_a_gate_opening_to_the_high_precision_decision_under_dp2(tmp_path_factory, tmp_path):
