@@ -225,12 +225,15 @@ def _live_children() -> list:
     import psutil
 
     helpers = _helpers_ending_with_pytest()
+    # the runs' forkserver (tests/cli_forkserver.py) ends with pytest too, but the runs it forked are the tests' own
+    forkserver = sys.modules.get("cli_forkserver")
+    server = forkserver.server_pid() if forkserver is not None else None
     alive = []
     for child in psutil.Process().children(recursive=True):
         try:
             if child.status() == psutil.STATUS_ZOMBIE:
                 os.waitpid(child.pid, os.WNOHANG)
-            elif child.pid not in helpers and child.ppid() not in helpers:
+            elif child.pid != server and child.pid not in helpers and child.ppid() not in helpers:
                 alive.append(child)
         except (psutil.NoSuchProcess, ChildProcessError):
             pass
@@ -293,11 +296,14 @@ CPU_REPORT_FILES = 25
 
 def _cpu_seconds() -> float:
     """User + system CPU-seconds of this process and of its children that have ended and been waited for (the
-    subprocesses a test runs: trainers, torchrun and its ranks, engines)."""
+    subprocesses a test runs: trainers, torchrun and its ranks, engines), forked runs included."""
     import resource
 
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    # runs forked by tests/cli_forkserver.py are the server's children, not ours: they report their own CPU-seconds
+    forkserver = sys.modules.get("cli_forkserver")
+    forked = forkserver.forked_cpu_seconds if forkserver is not None else 0.0
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
 
 
 _CPU_START = pytest.StashKey[float]()

@@ -3,8 +3,10 @@
     warm = warm_start(tmp_path_factory)          # SFT once (~15 s), reused by every test of the session
     rows = train(tmp_path / "run", tiny_overrides(warm, "train.steps=2"))
 
-Runs go through the real CLI in a subprocess (as a user runs them), so each gets a fresh
-torch.distributed state and its own embedded engine subprocess.
+Runs go through the real CLI (`python -m megatron_rl.cli train ...`), each in a process of its own with a fresh
+torch.distributed state and its own embedded engine subprocess: one-process runs in a child forked from a server
+that has the trainer's modules imported (tests/cli_forkserver.py: ~5 CPU-s of imports saved per run), several-process
+runs under torchrun.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Sequence
 
 from filelock import FileLock
+
+from cli_forkserver import run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = REPO_ROOT / "examples" / "configs" / "tiny_fp8_grpo.yaml"
@@ -50,11 +54,12 @@ def _build_warm_start(warm: Path) -> None:
         # of scripts/test_kernel_paths.sh: this regime has no sudden jump), so GRPO groups have reward spread from
         # the first step. A fixed step count, without the main job's accuracy checks: nothing here needs them;
         # true sums at lr 3e-3 (the main job's imperfect teacher at 1e-3 leaves 200 steps nearly all wrong).
-        cmd = [sys.executable, "-m", "megatron_rl.cli", "sft", str(CONFIG), f"run_dir={warm}", "sft.steps=200",
-               "sft.eval_every=0", "sft.stop_accuracy=null", "sft.lr=3e-3", "sft.teacher_carry_drop=0",
-               "data.num_train_prompts=200", "data.num_eval_prompts=8"]
-        proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"warm start failed:\n{proc.stderr[-4000:]}"
+        argv = ["sft", str(CONFIG), f"run_dir={warm}", "sft.steps=200", "sft.eval_every=0", "sft.stop_accuracy=null",
+                "sft.lr=3e-3", "sft.teacher_carry_drop=0", "data.num_train_prompts=200", "data.num_eval_prompts=8"]
+        with tempfile.TemporaryDirectory() as logs:
+            err = Path(logs) / "stderr"
+            returncode = run_cli(argv, cli_env(), Path(logs) / "stdout", err, timeout=600).returncode
+            assert returncode == 0, f"warm start failed:\n{err.read_text()[-4000:] if err.exists() else ''}"
 
 
 def tiny_overrides(warm: Path, *extra: str) -> list[str]:
@@ -82,15 +87,21 @@ def train_command(run_dir: Path, overrides: Sequence[str], nproc: int = 1) -> li
 
 
 def train(run_dir: Path, overrides: Sequence[str], nproc: int = 1, timeout: float = 600) -> list[dict]:
-    """Run training to the end and return its metrics.jsonl rows."""
+    """Run training to the end and return its metrics.jsonl rows (one process: forked from the preloaded server of
+    tests/cli_forkserver.py; several: under torchrun, fresh interpreters)."""
     # files, not pipes: a helper the run leaves behind (torch's shared-memory manager under the tensor transport)
     # would hold a pipe open and block the read long after the trainer exited
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.run(train_command(run_dir, overrides, nproc), env=cli_env(), stdout=out, stderr=err, text=True,
-                              timeout=timeout)
-        out.seek(0), err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    assert proc.returncode == 0, f"train failed (rc={proc.returncode}):\n{stdout[-2000:]}\n{stderr[-6000:]}"
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = Path(logs) / "stdout", Path(logs) / "stderr"
+        if nproc == 1:
+            argv = train_command(run_dir, overrides)
+            returncode = run_cli(argv[argv.index("megatron_rl.cli") + 1:], cli_env(), out, err, timeout).returncode
+        else:
+            with open(out, "w") as fo, open(err, "w") as fe:
+                returncode = subprocess.run(train_command(run_dir, overrides, nproc), env=cli_env(), stdout=fo,
+                                            stderr=fe, timeout=timeout).returncode
+        stdout, stderr = (p.read_text() if p.exists() else "" for p in (out, err))
+    assert returncode == 0, f"train failed (rc={returncode}):\n{stdout[-2000:]}\n{stderr[-6000:]}"
     return read_rows(run_dir)
 
 

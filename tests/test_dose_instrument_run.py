@@ -31,15 +31,24 @@ def test_two_steps_with_the_instrument_and_calibration(tmp_path_factory, tmp_pat
     assert "malformed answers, train" in (run_dir / "summary.txt").read_text()
 
 
+@pytest.fixture(scope="module")
+def high_precision_decision_run(tmp_path_factory):
+    """(run_dir, rows) of 3 NVFP4 steps with algo.policy_loss.clip_decision=high_precision and no calibration (the
+    option that the default decision rule must train exactly as)."""
+    warm = warm_start(tmp_path_factory)
+    run_dir = tmp_path_factory.mktemp("hp_decision") / "run"
+    return run_dir, train(run_dir, tiny_overrides(warm, "train.steps=3", "precision.recipe=nvfp4",
+                                                  "algo.calibration.enabled=false",
+                                                  "algo.policy_loss.clip_decision=high_precision"))
+
+
 @pytest.mark.slow
-def test_a_high_precision_clip_decision_through_the_loop(tmp_path_factory, tmp_path):
+def test_a_high_precision_clip_decision_through_the_loop(high_precision_decision_run):
     """algo.policy_loss.clip_decision=high_precision: a low-precision run whose every update clips exactly the tokens
     its high-precision ratios put outside the bounds (the loss's clip fractions are the high-precision ones, step by
-    step). NVFP4: in two tiny steps FP8's ratios clip the same tokens as high precision, NVFP4's do not."""
-    warm = warm_start(tmp_path_factory)
-    rows = train(tmp_path / "run", tiny_overrides(warm, "train.steps=2", "algo.calibration.enabled=false",
-                                                 "algo.policy_loss.clip_decision=high_precision", "precision.recipe=nvfp4"))
-    assert [r["step"] for r in rows] == [0, 1]
+    step). NVFP4: in a few tiny steps FP8's ratios clip the same tokens as high precision, NVFP4's do not."""
+    _, rows = high_precision_decision_run
+    assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         for side in ("clipfrac", "clipfrac_lower_neg", "clipfrac_upper_pos"):
             assert r[side] == pytest.approx(r[f"experimental/hp_{side}"], abs=1e-12), (r["step"], side)
@@ -85,7 +94,8 @@ def test_a_gate_that_opens_to_the_high_precision_decision_through_the_loop(tmp_p
 
 
 @pytest.mark.slow
-def test_the_default_decision_rule_through_the_loop_is_the_high_precision_clip_decision(tmp_path_factory, tmp_path):
+def test_the_default_decision_rule_through_the_loop_is_the_high_precision_clip_decision(tmp_path_factory, tmp_path,
+                                                                                         high_precision_decision_run):
     """algo.calibration.strength=decision (the default; NVFP4, a calibration event every step): every step from the
     first decides its clips on high-precision ratios at 1 -/+ eps, and the run trains exactly as
     algo.policy_loss.clip_decision=high_precision without calibration: the events only measure (the same loss, clip
@@ -93,9 +103,7 @@ def test_the_default_decision_rule_through_the_loop_is_the_high_precision_clip_d
     warm = warm_start(tmp_path_factory)
     decision = train(tmp_path / "decision", tiny_overrides(warm, "train.steps=3", "precision.recipe=nvfp4",
                                                           "algo.calibration.strength=decision"))
-    option = train(tmp_path / "option", tiny_overrides(warm, "train.steps=3", "precision.recipe=nvfp4",
-                                                      "algo.calibration.enabled=false",
-                                                      "algo.policy_loss.clip_decision=high_precision"))
+    option_dir, option = high_precision_decision_run
     assert [r["step"] for r in decision] == [0, 1, 2]
     assert [r["calib/hp_decision"] for r in decision] == [1.0, 1.0, 1.0]  # from the first step, no gate to open
     for r, o in zip(decision, option):
@@ -107,4 +115,4 @@ def test_the_default_decision_rule_through_the_loop_is_the_high_precision_clip_d
         assert "calib/gate_ratio" in r and "calib/hp_decision" not in o
     assert any(r["experimental/lp_clipfrac"] != r["experimental/hp_clipfrac"] for r in decision)  # it mattered
     state = lambda d: pickle.loads((Path(latest_checkpoint(d / "checkpoints")) / RL_STATE_FILE).read_bytes())
-    assert state(tmp_path / "decision")["eval_after"] == state(tmp_path / "option")["eval_after"]
+    assert state(tmp_path / "decision")["eval_after"] == state(option_dir)["eval_after"]
