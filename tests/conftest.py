@@ -50,43 +50,19 @@ def _free_port() -> int:
 def _launch_ranks(script: Path, nproc: int, args: Sequence[str], env: dict[str, str], out: Path,
                   timeout: float) -> tuple[int, str, str]:
     """Start `nproc` ranks of `script` as torchrun would start them (its worker variables, env:// rendezvous at
-    127.0.0.1, `python -u`), without torchrun's agent process (~2.4 CPU-seconds a launch); like torchrun, the first
+    127.0.0.1, `python -u`), without torchrun's agent process (~2.4 CPU-seconds a launch) and forked from a server with
+    torch / megatron-core imported (~4 CPU-seconds a rank; tests/cli_forkserver.py); like torchrun, the first
     rank to fail takes the others down. Returns (exit code: the first failure's, else 0; stdout; stderr)."""
-    port = _free_port()
-    stdout, stderr = open(out / "stdout", "w+"), open(out / "stderr", "w+")
-    procs = []
+    import cli_forkserver as forked
+
+    # output to files, not pipes: a helper the ranks start (torch_shm_manager, for the tensor transport's shared
+    # memory) lives as long as an engine maps its segments and would hold a pipe open after they exit
+    stdout, stderr = out / "stdout", out / "stderr"
     try:
-        for rank in range(nproc):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                            GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            # output to files, not pipes: a helper the ranks start (torch_shm_manager, for the tensor transport's
-            # shared memory) lives as long as an engine maps its segments and would hold a pipe open after they exit
-            procs.append(subprocess.Popen([sys.executable, "-u", str(script), *map(str, args)], env=rank_env,
-                                          stdout=stdout, stderr=stderr, text=True))
-        deadline, code, timed_out = time.monotonic() + timeout, 0, False
-        while None in [p.poll() for p in procs]:  # a list, not any(): every rank is polled, so a failure is seen
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed:
-                code = failed[0]
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.05)
-        else:
-            code = next((p.returncode for p in procs if p.returncode != 0), 0)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        stdout.seek(0), stderr.seek(0)
-        texts = stdout.read(), stderr.read()
-        stdout.close(), stderr.close()
-    if timed_out:
-        raise subprocess.TimeoutExpired([str(script)], timeout, texts[0], texts[1])
-    return code, *texts
+        code = forked.run_ranks(nproc, list(map(str, args)), env, stdout, stderr, timeout, port=_free_port(), script=script)
+    except TimeoutError:
+        raise subprocess.TimeoutExpired([str(script)], timeout, *(p.read_text() for p in (stdout, stderr))) from None
+    return code, stdout.read_text(), stderr.read_text()
 
 
 def run_distributed(

@@ -3,15 +3,16 @@
     warm = warm_start(tmp_path_factory)          # SFT once (~15 s), reused by every test of the session
     rows = train(tmp_path / "run", tiny_overrides(warm, "train.steps=2"))
 
-Runs go through the real CLI (`python -m megatron_rl.cli train ...`), each in a process of its own with a fresh
-torch.distributed state and its own embedded engine subprocess: one-process runs in a child forked from a server
-that has the trainer's modules imported (tests/cli_forkserver.py: ~5 CPU-s of imports saved per run), several-process
-runs under torchrun.
+Runs go through the real CLI (`python -m megatron_rl.cli train ...`), each in processes of their own with a fresh
+torch.distributed state and their own embedded engine subprocess, forked from a server that has the trainer's modules
+imported (tests/cli_forkserver.py: ~5 CPU-s of imports saved per process); several-process runs get torchrun's
+worker variables, or torchrun itself (`train(..., torchrun=True)`).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ from typing import Sequence
 
 from filelock import FileLock
 
-from cli_forkserver import run_cli
+from cli_forkserver import free_port, run_cli, run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = REPO_ROOT / "examples" / "configs" / "tiny_fp8_grpo.yaml"
@@ -86,21 +87,31 @@ def train_command(run_dir: Path, overrides: Sequence[str], nproc: int = 1) -> li
     return [*launcher, "-m", "megatron_rl.cli", "train", str(CONFIG), f"run_dir={run_dir}", *overrides]
 
 
-def train(run_dir: Path, overrides: Sequence[str], nproc: int = 1, timeout: float = 600) -> list[dict]:
-    """Run training to the end and return its metrics.jsonl rows (one process: forked from the preloaded server of
-    tests/cli_forkserver.py; several: under torchrun, fresh interpreters)."""
+def train(run_dir: Path, overrides: Sequence[str], nproc: int = 1, timeout: float = 600, torchrun: bool = False) -> list[dict]:
+    """Run training to the end and return its metrics.jsonl rows. Its processes are forked from the preloaded server of
+    tests/cli_forkserver.py (several: with torchrun's worker variables, as torchrun starts them); with `torchrun`,
+    `python -m torch.distributed.run --standalone` starts them as fresh interpreters."""
+    argv = train_command(run_dir, overrides)
+    argv = argv[argv.index("megatron_rl.cli") + 1:]
+    fresh_dir = not Path(run_dir).exists()
     # files, not pipes: a helper the run leaves behind (torch's shared-memory manager under the tensor transport)
     # would hold a pipe open and block the read long after the trainer exited
     with tempfile.TemporaryDirectory() as logs:
         out, err = Path(logs) / "stdout", Path(logs) / "stderr"
-        if nproc == 1:
-            argv = train_command(run_dir, overrides)
-            returncode = run_cli(argv[argv.index("megatron_rl.cli") + 1:], cli_env(), out, err, timeout).returncode
-        else:
-            with open(out, "w") as fo, open(err, "w") as fe:
-                returncode = subprocess.run(train_command(run_dir, overrides, nproc), env=cli_env(), stdout=fo,
-                                            stderr=fe, timeout=timeout).returncode
-        stdout, stderr = (p.read_text() if p.exists() else "" for p in (out, err))
+        for attempt in range(3):
+            if torchrun:
+                with open(out, "w") as fo, open(err, "w") as fe:
+                    returncode = subprocess.run(train_command(run_dir, overrides, nproc), env=cli_env(), stdout=fo,
+                                                stderr=fe, timeout=timeout).returncode
+            elif nproc == 1:
+                returncode = run_cli(argv, cli_env(), out, err, timeout).returncode
+            else:
+                returncode = run_ranks(nproc, argv, cli_env(), out, err, timeout, port=free_port(), module="megatron_rl.cli")
+            stdout, stderr = (p.read_text() if p.exists() else "" for p in (out, err))
+            # rank 0's rendezvous store found its probed-free port taken by then: the run never started, start it again
+            if returncode == 0 or nproc == 1 or torchrun or "address already in use" not in stderr.lower() or not fresh_dir:
+                break
+            shutil.rmtree(run_dir, ignore_errors=True)
     assert returncode == 0, f"train failed (rc={returncode}):\n{stdout[-2000:]}\n{stderr[-6000:]}"
     return read_rows(run_dir)
 

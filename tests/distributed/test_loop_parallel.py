@@ -101,7 +101,9 @@ def single(tmp_path_factory):
 ])
 def test_layout_matches_single_process(single, tmp_path, layout, overrides, dump_ranks):
     warm, reference = single
-    rows = train(tmp_path / "run", tiny_overrides(warm, *COMMON, *overrides), nproc=2)
+    # DP=2 under torchrun itself (fresh interpreters, torchrun's agent and rendezvous: the README's launch); the other
+    # layouts' ranks are forked with torchrun's worker variables (tests/cli_forkserver.py), as is the reference
+    rows = train(tmp_path / "run", tiny_overrides(warm, *COMMON, *overrides), nproc=2, torchrun=layout == "DP=2")
     _assert_same(reference, rows, layout)
     assert check_run_dumps(tmp_path / "run", rows, ranks=dump_ranks, eps_low=0.2, eps_high=0.2, relax_only=False,
                            **SPEC) == [0, 1, 2]
