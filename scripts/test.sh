@@ -4,6 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
+# Byte-compile this checkout's own modules (only what changed since: ~0.05 s): under PYTHONDONTWRITEBYTECODE (set in
+# this project's dev environment) no process writes its .pyc, so each of the suite's ~300 Python processes would
+# compile what it imports of megatron_rl from source again (~0.2 CPU-s each); pip already compiled site-packages.
+.venv/bin/python -m compileall -q megatron_rl tests tools benchmarks >/dev/null
 # -q by default; not on top of the caller's own -q/-v (pytest's -qq would drop the closing "N passed" line).
 # Test files run on pytest-xdist workers, one more than the cores (at most 4): most tests compute on one thread or
 # wait on a subprocess, an engine or a socket part of the time, and the extra worker keeps every core busy meanwhile
