@@ -10,9 +10,9 @@ the largest single cost of `.ci/run`. The standard library's forkserver (`multip
 run; the child runs `megatron_rl.cli` as `python -u -m megatron_rl.cli` does, or a worker script as `python -u
 SCRIPT` does (runpy, as `__main__`, with the run's argv, environment and stdout / stderr files, unbuffered), and
 exits as an interpreter would (non-daemon threads joined, atexit handlers run, streams flushed). The distributed
-tests' ranks (tests/conftest.py: run_distributed) start the same way, ~4 CPU-s of imports saved per rank. Everything after the imports is the run's own: a fresh
-torch.distributed state, its own engine subprocesses (started from `sys.executable` as always), its own
-checkpoint writers.
+tests' ranks (tests/conftest.py: run_distributed) start the same way, ~4 CPU-s of imports saved per rank. Everything
+after the imports is the run's own: a fresh torch.distributed state, its own engine subprocesses (started from
+`sys.executable` as always), its own checkpoint writers.
 
 What a fork does not exercise is the import itself (import-time warnings, the jit-fuser hook's order): the runs
 that check those, runs under torchrun and the runs that are killed or inspected as process trees still start
@@ -21,8 +21,8 @@ fresh interpreters (`subprocess`), e.g. tests/test_loop.py, tests/test_resume.py
 from __future__ import annotations
 
 import atexit
-import itertools
 import io
+import itertools
 import multiprocessing
 import os
 import resource
@@ -42,7 +42,7 @@ PRELOAD = (
     "transformers.models.auto.tokenization_auto", "torch._dynamo",
 )
 """Modules every trainer and most worker ranks import (the heavy ones: ~5 CPU-s in a fresh process); a child imports
-the rest itself."""
+the rest itself. (The forkserver skips a preload that fails to import: tests/test_cli_forkserver.py imports each.)"""
 
 
 _serial = itertools.count()

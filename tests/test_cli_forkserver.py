@@ -4,6 +4,7 @@ timeout. (Its runs' metrics against fresh interpreters: tests/distributed/test_l
 single-process references with torchrun's ranks.)"""
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -38,3 +39,10 @@ def test_a_forked_run_prints_and_exits_as_a_fresh_one(tmp_path, argv):
 def test_a_run_past_its_timeout_is_killed(tmp_path):
     with pytest.raises(TimeoutError, match="still running"):
         run_cli(["config", str(CONFIG)], cli_env(), tmp_path / "out", tmp_path / "err", timeout=0.0)
+
+
+@pytest.mark.parametrize("module", cli_forkserver.PRELOAD)
+def test_every_preloaded_module_imports(module):
+    """The forkserver passes over a preload that fails to import (the runs would just import it themselves, slower):
+    a renamed module shows here."""
+    importlib.import_module(module)
