@@ -170,15 +170,6 @@ def start(argv: Sequence[str], env: Mapping[str, str], stdout: Path, stderr: Pat
     return Forked(process, cpu_path, f"{module or script} {' '.join(map(str, argv[:2]))}")
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (a rendezvous port for run_ranks)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(nproc: int, argv: Sequence[str], env: Mapping[str, str], stdout: Path, stderr: Path, timeout: float,
               port: int, module: Optional[str] = None, script: Optional[str | os.PathLike] = None) -> int:
     """Run `nproc` forked ranks of MODULE / SCRIPT with torchrun's worker variables (env:// rendezvous at 127.0.0.1:

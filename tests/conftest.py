@@ -40,11 +40,9 @@ PORT_RETRIES = 3
 
 
 def _free_port() -> int:
-    import socket
+    from megatron_rl.rollout.processes import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()
 
 
 def _launch_ranks(script: Path, nproc: int, args: Sequence[str], env: dict[str, str], out: Path,

@@ -21,7 +21,9 @@ from typing import Sequence
 
 from filelock import FileLock
 
-from cli_forkserver import free_port, run_cli, run_ranks
+from cli_forkserver import run_cli, run_ranks
+
+from megatron_rl.rollout.processes import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = REPO_ROOT / "examples" / "configs" / "tiny_fp8_grpo.yaml"
