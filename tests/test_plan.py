@@ -14,7 +14,8 @@ from megatron_rl.plan import memory
 from megatron_rl.plan.checks import CODES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
-SHIPPED = ["qwen3_8b_fp8_grpo.yaml", "qwen3_14b_fp8_dapo.yaml", "qwen3_32b_fp8_dapo.yaml"]
+SHIPPED = ["qwen3_8b_fp8_grpo.yaml", "qwen3_8b_bf16_learner_fp8_rollout_grpo.yaml", "qwen3_14b_fp8_dapo.yaml",
+           "qwen3_32b_fp8_dapo.yaml"]
 
 
 def stated_allocation(config: Path) -> dict:
@@ -79,6 +80,7 @@ WARNINGS = {
     "engine-gpus-idle": dict(overrides=["rollout.num_engines=7"]),
     "kv-cache-limits-concurrency": dict(overrides=["rollout.concurrency=128"]),
     "learner-needs-recompute": dict(overrides=["train.micro_batch_size=4"]),
+    "calibration-slower-than-bf16": dict(overrides=["algo.calibration.enabled=true"]),
 }
 
 
@@ -96,7 +98,8 @@ def test_wasteful_layouts_warn(code):
 
 
 def test_every_code_is_exercised():
-    assert set(BROKEN) | set(WARNINGS) | {"embedded-engines", "distributed-optimizer-off", "sequence-padding"} == set(CODES)
+    assert set(BROKEN) | set(WARNINGS) | {"embedded-engines", "distributed-optimizer-off", "sequence-padding",
+                                            "calibration-cost"} == set(CODES)
 
 
 def test_cli_exit_status_json_and_report(capsys):
@@ -262,7 +265,7 @@ def test_the_high_precision_forwards_follow_the_calibration_rule():
 
     assert high_precision_forwards(2, 1) == 1.0 and high_precision_forwards(4, 1) == 0.75 + 0.75
     assert high_precision_forwards(2, 2) == 1.0 + 1.5  # with a second epoch every row is trained off-policy
-    grpo = ["train.num_minibatches=2", "train.ppo_epochs=1"]
+    grpo = ["train.num_minibatches=2", "train.ppo_epochs=1", "algo.calibration.enabled=true"]
     decision, full = _plan(grpo), _plan([*grpo, "algo.calibration.strength=full"])
     off, hp = _plan([*grpo, "algo.calibration.enabled=false"]), _plan([*grpo, "precision.recipe=none"])
     forward = decision.flops.forward_only  # one forward of the step's tokens (no KL reference in this config)
@@ -273,3 +276,20 @@ def test_the_high_precision_forwards_follow_the_calibration_rule():
     assert off.step_time.learner < full.step_time.learner < decision.step_time.learner
     option = _plan([*grpo, "algo.calibration.enabled=false", "algo.policy_loss.clip_decision=high_precision"])
     assert option.flops.shadow == decision.flops.shadow
+
+
+def test_plan_reports_the_calibration_cost_and_warns_when_it_outruns_bf16():
+    """Every plan with high-precision forwards says their seconds and share of the step; the decision rule's forwards
+    (at FP8 blockwise's 1.2x) make the learner slower than BF16's, which is a warning naming the cheaper choices; the
+    paper's rule every 20 steps costs ~1% and does not warn; vanilla bounds report no cost at all."""
+    codes = lambda plan: {f.code: f for f in plan.findings}  # noqa: E731
+    decision = codes(_plan(["algo.calibration.enabled=true"]))
+    assert decision["calibration-cost"].level == "info" and "% of the" in decision["calibration-cost"].message
+    warning = decision["calibration-slower-than-bf16"]
+    assert warning.level == "warning" and "algo.calibration.enabled=false" in warning.message
+    full = codes(_plan(["algo.calibration.enabled=true", "algo.calibration.strength=full"]))
+    assert "calibration-cost" in full and "calibration-slower-than-bf16" not in full
+    assert not {"calibration-cost", "calibration-slower-than-bf16"} & set(codes(_plan()))
+    # the split's BF16 learner runs no high-precision forward beyond its own: nothing to report
+    split = codes(_plan(config="qwen3_8b_bf16_learner_fp8_rollout_grpo.yaml"))
+    assert "calibration-slower-than-bf16" not in split

@@ -284,6 +284,7 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                                            opt.fp8_speedup if prec.recipe != "none" else 1.0),
         weight_sync=throughput.sync_seconds(payload, device.network_bytes_per_s, True),
         overlapped=throughput.overlapped(r))
+    findings += _calibration_cost(flops, step, lay.learner_gpus, device.bf16_flops, opt, prec.recipe)
     return Plan(layout=lay, findings=findings, seq_len=seq_len, learner_memory=lm, engine_memory=em,
                 weight_sync_bytes=payload, calibration_bytes_per_calibration_step=calib_step,
                 calibration_bytes_per_step=calib_per_step, flops=flops, decode_tokens_per_s=decode, step_time=step,
@@ -292,6 +293,28 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                 recipe=prec.recipe, rollout_quantization=prec.rollout_quantization,
                 rollout_scale_fmt_requested=prec.rollout_scale_fmt, rollout_scale_fmt=scale_fmt,
                 learner_kernels=_learner_kernels(device, p), kv_cache_scales=_kv_cache_scales(cfg))
+
+
+def _calibration_cost(flops: throughput.LearnerFlops, step: throughput.StepTime, gpus: int, peak_flops: float,
+                      opt: PlanOptions, recipe: str) -> list[Finding]:
+    """What the high-precision forwards of calibration (or of a high-precision clip decision) cost: their seconds and
+    share of the step, and a warning when they make an FP8 learner slower than a BF16 learner without them."""
+    if flops.shadow <= 0 or gpus <= 0:
+        return []
+    extra = flops.shadow / (gpus * peak_flops * opt.mfu)
+    out = [Finding("calibration-cost", "info",
+                   f"high-precision forwards of calibration: {extra:.1f} s of the learner's {step.learner:.1f} s, "
+                   f"{extra / step.total:.0%} of the {step.total:.1f} s step")]
+    bf16 = throughput.learner_seconds(throughput.LearnerFlops(flops.train, flops.forward_only, 0.0), gpus, peak_flops,
+                                      opt.mfu, 1.0)
+    if recipe != "none" and step.learner > bf16:
+        out.append(Finding(
+            "calibration-slower-than-bf16", "warning",
+            f"with its high-precision forwards this FP8 learner takes {step.learner:.1f} s, a BF16 learner without them "
+            f"{bf16:.1f} s: keep the vanilla bounds (algo.calibration.enabled=false), calibrate every "
+            f"calibrate_every steps (algo.calibration.strength=full), or train in BF16 with FP8 rollout "
+            f"(precision.recipe=none, precision.rollout_quantization=fp8-blockwise; docs/calibration.md)"))
+    return out
 
 
 def _kv_cache_scales(cfg) -> str:

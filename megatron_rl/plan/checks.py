@@ -42,6 +42,8 @@ CODES = {
     "embedded-engines": "embedded engines run on CPU and take no GPU",
     "distributed-optimizer-off": "DP > 1 without the distributed optimizer keeps full optimizer state on every rank",
     "sequence-padding": "the multiple sequences are padded to",
+    "calibration-cost": "seconds and share of the step that calibration's high-precision forwards take",
+    "calibration-slower-than-bf16": "calibration's high-precision forwards make the FP8 learner slower than a BF16 one",
 }
 """Every finding code with what it means."""
 
