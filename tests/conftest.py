@@ -35,6 +35,20 @@ if str(REPO_ROOT) not in sys.path:
 RESULT_DIR_ENV = "RUN_DISTRIBUTED_RESULT_DIR"
 
 
+def _hypothesis_profiles() -> None:
+    """Hypothesis profiles: `ci` (chosen when CI is set) draws the same examples on every run, so a red CI run repeats
+    as it failed; `dev` (elsewhere) draws new ones each run and prints the seed and blob that reproduce a failure.
+    HYPOTHESIS_PROFILE picks one explicitly. Per-test @settings (example counts) still apply on top."""
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None)
+    settings.register_profile("dev", print_blob=True, deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+
+
+_hypothesis_profiles()
+
+
 PORT_RETRIES = 3
 """Launches tried with a fresh rendezvous port when rank 0's store found its port taken (probed free, then bound)."""
 

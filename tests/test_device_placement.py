@@ -70,11 +70,9 @@ def cuda_fake():
     """
     from megatron_rl.parallel.compat import compat_mode_suspended
 
+    # no skip when this fails: the pinned CPU torch makes CUDA fake tensors, and a build that cannot must show red
     with compat_mode_suspended(), fake_mode.FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        try:
-            probe = torch.empty(1, device="cuda")
-        except Exception as exc:  # pragma: no cover - depends on the torch build
-            pytest.skip(f"CUDA fake tensors unavailable on this build: {exc}")
+        probe = torch.empty(1, device="cuda")
         assert probe.device.type == "cuda"
         yield mode
 

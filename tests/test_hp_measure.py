@@ -127,6 +127,11 @@ def _measure(run_dir: Path, *args: str) -> dict:
     return hp_measure.read_measurements(run_dir)
 
 
+ONE_PROMPT = 1.01 / 48
+"""One held-out prompt of 48: two engine processes batch the same greedy requests differently, and a near-tie of two
+tokens' logits may then break the other way on another CPU's kernels, so evaluations agree to one prompt, not bits."""
+
+
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory) -> Path:
     """The session's tiny warm start."""
@@ -154,20 +159,21 @@ def test_hp_measure_of_an_hp_arm_and_an_fp8_arm(warm, tmp_path):
             assert hp["logprob_gap"] < 1e-4 and hp["completion_tokens"] > 0 and 0 < hp["entropy"] < math.log(40)
             assert hp["prompts"] == 16 and hp["eval_prompts"] == 48 and 0 <= hp["reward_mean"] <= 1
 
-    for r in rows["hp"]:  # same weights, same precision, same engine: the run's own evaluation, exactly
+    for r in rows["hp"]:  # same weights, same precision, same engine code: the run's own evaluation, to one prompt
         hp = measured["hp"]["steps"][str(r["step"])]
-        assert hp["hp"]["greedy_accuracy"] == r["accuracy/eval"] and hp["hp"]["greedy_malformed"] == r["malformed/eval"]
+        assert hp["hp"]["greedy_accuracy"] == pytest.approx(r["accuracy/eval"], abs=ONE_PROMPT)
+        assert hp["hp"]["greedy_malformed"] == pytest.approx(r["malformed/eval"], abs=ONE_PROMPT)
         assert hp["own"]["same_as"] == "hp"  # an hp arm's own engines already serve in high precision
     state = pickle.loads((runs["hp"] / "checkpoints" / "step_00000001" / "rl_state.pkl").read_bytes())
-    assert measured["hp"]["steps"]["1"]["hp"]["greedy_accuracy"] == state["eval_after"]
-    assert any(0 < r["accuracy/eval"] < 1 for r in rows["hp"])  # the exact match above is not a trivial 0 or 1
+    assert measured["hp"]["steps"]["1"]["hp"]["greedy_accuracy"] == pytest.approx(state["eval_after"], abs=ONE_PROMPT)
+    assert any(2 * ONE_PROMPT < r["accuracy/eval"] < 1 - 2 * ONE_PROMPT for r in rows["hp"])  # not a trivial 0 or 1
 
     for r in rows["fp8"]:
         views = measured["fp8"]["steps"][str(r["step"])]
         own, hp = views["own"], views["hp"]
-        # the arm's own precision, rebuilt from the checkpoint, reproduces the run's own evaluation exactly ...
+        # the arm's own precision, rebuilt from the checkpoint, reproduces the run's own evaluation (to one prompt) ...
         assert own["engine"]["served_dir_format"] == "fp8-blockwise" and own["engine"]["quantization_config"]
-        assert own["greedy_accuracy"] == r["accuracy/eval"]
+        assert own["greedy_accuracy"] == pytest.approx(r["accuracy/eval"], abs=ONE_PROMPT)
         # ... and the hp view is not it: its engine agrees with the fp32 forward, the W8A8 engine does not
         assert own["logprob_gap"] > 100 * hp["logprob_gap"] and own["logprob_gap"] > 1e-3
         assert own["samples_sha256"] != hp["samples_sha256"]

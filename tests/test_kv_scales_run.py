@@ -101,8 +101,9 @@ def test_recalibrated_fp8_kv_beats_unit_scales_on_a_rescaled_warm_start(warm, tm
     assert recal[-1]["kv_cache/v_amax"] > 448, "V x 1000 is beyond E4M3's range at unit scale"
     check_last_sync_is_served(tmp_path / "recal")
     assert k3["unit"] > 20 * k3["recal"], k3
-    # another draw of the same E4M3 rounding (V x1000 moves every V against the grid): up to 1.9x in the studies
-    assert k3["recal"] < 2.0 * k3["plain_unit"] + 1e-4, k3
+    # another draw of the same E4M3 rounding (V x1000 moves every V against the grid): 1.0-1.9x of the plain cache's
+    # error across seeds and CPUs, so 4x bounds it with margin, still 5x below what unit scales leave (> 20x)
+    assert k3["recal"] < 4.0 * k3["plain_unit"] + 1e-4, k3
     # power-of-two scales round every in-range value as 1.0 does (the exact rule's scales drew a 1.25x worse error
     # than unit in the main job's 100-step runs: docs/RESULTS.md section 6)
     assert k3["plain_recal"] <= 1.02 * k3["plain_unit"] + 1e-6, k3
