@@ -17,8 +17,9 @@ from megatron_rl.trainer.checkpoint import RL_STATE_FILE, latest_checkpoint
 WIDE_ERROR = ("precision.recipe=nvfp4", "algo.policy_loss.eps_low=0.01", "algo.policy_loss.eps_high=0.01")
 """NVFP4's ratio error at bounds 1 -/+ 0.05: the learner's and the high-precision ratios then clip sets of tokens
 that differ by many tokens, on any CPU (at 1 -/+ 0.2 a few tiny steps could differ by one token)."""
-MANY_TOKENS = 0.02
-"""A clip-fraction gap, summed over a run's steps, of more than one token of a tiny step's answer tokens."""
+MANY_TOKENS = 0.01
+"""A clip-fraction gap, summed over a run's steps, of at least a token of a tiny step's ~100 (0.019 on ATen's plain
+kernels at bounds 1 -/+ 0.05, more at 1 -/+ 0.01)."""
 
 
 @pytest.mark.slow

@@ -176,7 +176,6 @@ def test_hp_measure_of_an_hp_arm_and_an_fp8_arm(warm, tmp_path):
         assert own["greedy_accuracy"] == pytest.approx(r["accuracy/eval"], abs=ONE_PROMPT)
         # ... and the hp view is not it: its engine agrees with the fp32 forward, the W8A8 engine does not
         assert own["logprob_gap"] > 100 * hp["logprob_gap"] and own["logprob_gap"] > 1e-3
-        assert own["samples_sha256"] != hp["samples_sha256"]
 
     settings = hp_measure.settings_record(16, 0, None)
     assert hp_measure.pending(runs["fp8"], "all", ("hp", "own"), settings) == []  # a rerun measures nothing
