@@ -70,43 +70,6 @@ def test_a_high_precision_clip_decision_through_the_loop(high_precision_decision
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shadow_fraction,eps_low", [("1", 0.2), ("0.5", 0.05)])
-def test_a_gate_that_opens_to_the_high_precision_decision_through_the_loop(tmp_path_factory, tmp_path, shadow_fraction,
-                                                                          eps_low):
-    """algo.calibration.gate_opens_to=high_precision_decision (NVFP4, a gate with no tolerance and no minimum so it
-    opens at the first event whose low precision clips more): steps that start with the gate closed train at the
-    vanilla bounds on the learner's decision (no high-precision decision metrics), steps that start with it open
-    clip exactly what the high-precision ratios clip, still at 1 -/+ eps, and the gate keeps counting the learner's
-    own distortion (its ratio is not the decision's 1.00x). With half the rows in the shadow, open steps still decide
-    on every row's high-precision ratio (an open step's event takes the whole shadow). The half shadow runs at eps_low
-    0.05: the gate opens only once high precision clips a token, and at 0.2 its 4 rows clipped none in 4 steps on an
-    AVX2 EPYC (they did on an AVX-512 one)."""
-    warm = warm_start(tmp_path_factory)
-    rows = train(tmp_path / "run", tiny_overrides(warm, "train.steps=4", "precision.recipe=nvfp4",
-                                                 f"algo.policy_loss.eps_low={eps_low}", "algo.calibration.strength=gated",
-                                                 "algo.calibration.gate_opens_to=high_precision_decision",
-                                                 "algo.calibration.excess_tolerance=0", "algo.calibration.gate_min_tokens=0",
-                                                 f"algo.calibration.shadow_fraction={shadow_fraction}"))
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    open_at_start = [False] + [r["calib/strength"] == 1.0 for r in rows[:-1]]
-    assert [r["calib/hp_decision"] for r in rows] == [float(o) for o in open_at_start]  # logged as it decided
-    assert any(open_at_start), [r["calib/gate_ratio"] for r in rows]  # the run makes the gate matter
-    for r, is_open in zip(rows, open_at_start):
-        assert (r["calib/lower"], r["calib/upper"]) == (pytest.approx(1 - eps_low), pytest.approx(1.2)), r["step"]
-        if not is_open:
-            assert not any(k.startswith("experimental/") for k in r), r["step"]
-            continue
-        for side in ("clipfrac", "clipfrac_lower_neg", "clipfrac_upper_pos"):
-            assert r[side] == pytest.approx(r[f"experimental/hp_{side}"], abs=1e-12), (r["step"], side)
-    # the gate pools the learner's own counts: had it counted the decision's, every ratio would be exactly 1 (nan,
-    # before high precision clipped any, is logged as null; two small counts may still tie at one event)
-    ratios = [r["calib/gate_ratio"] for r in rows if r["calib/gate_ratio"] is not None]
-    assert ratios and any(x != pytest.approx(1.0) for x in ratios), ratios
-    # the learner's own ratios would have clipped other tokens on an open step: the decision mattered
-    assert any(r["experimental/lp_clipfrac"] != r["experimental/hp_clipfrac"] for r, o in zip(rows, open_at_start) if o)
-
-
-@pytest.mark.slow
 def test_the_default_decision_rule_through_the_loop_is_the_high_precision_clip_decision(tmp_path_factory, tmp_path,
                                                                                          high_precision_decision_run):
     """algo.calibration.strength=decision (the default; NVFP4, a calibration event every step): every step from the

@@ -197,23 +197,3 @@ def test_high_precision_clip_decision_under_dp2_and_pp2(decision_single, tmp_pat
         far = np.abs(log_ref - bound) > NEAR_BOUND
         assert np.array_equal(clipped(log_ref)[far], clipped(log_got)[far]), f"{name} clip decisions differ"
     assert ((log_ref < lower) & (ref["adv"] < 0)).any()  # the decisions compared include clipped tokens
-
-
-def test_a_gate_opening_to_the_high_precision_decision_under_dp2(tmp_path_factory, tmp_path):
-    """algo.calibration.gate_opens_to=high_precision_decision with DP=2: the gate's state comes from the pooled solve,
-    so both ranks open it at the same step and run the same high-precision forwards and gathers (a rank that did not
-    would hang the run); the open steps clip what the gathered high-precision ratios clip, at the vanilla bounds."""
-    warm = warm_start(tmp_path_factory)
-    rows = train(tmp_path / "dp2", tiny_overrides(
-        warm, "train.steps=3", "precision.recipe=nvfp4", "algo.calibration.strength=gated",
-        "algo.calibration.gate_opens_to=high_precision_decision", "algo.calibration.excess_tolerance=0",
-        "algo.calibration.gate_min_tokens=0", "rollout.weight_sync.transport=tensor"), nproc=2)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    opened = [r["step"] + 1 for r in rows[:-1] if r["calib/strength"] == 1.0]
-    assert opened, [r["calib/gate_ratio"] for r in rows]
-    for r in rows:
-        assert (r["calib/lower"], r["calib/upper"]) == (pytest.approx(0.8), pytest.approx(1.2))
-        if r["step"] in opened:
-            assert r["clipfrac"] == pytest.approx(r["experimental/hp_clipfrac"], abs=1e-12)
-        else:
-            assert "experimental/hp_clipfrac" not in r
