@@ -127,11 +127,7 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
         if c.strength == "decision":
             out.append(f"algo.calibration.strength=decision decides the PPO clip on high-precision ratios; "
                        f"algo.policy_loss.name={a.policy_loss.name} has no clip decision (ppo or dual_clip): set "
-                       "algo.calibration.strength to full, excess or gated (with gate_opens_to=solved_bounds)")
-        elif c.strength == "gated" and c.gate_opens_to == "high_precision_decision":
-            out.append(f"algo.calibration.gate_opens_to=high_precision_decision changes the PPO clip decision once the "
-                       f"gate opens; algo.policy_loss.name={a.policy_loss.name} has none (ppo or dual_clip): set "
-                       "algo.calibration.gate_opens_to=solved_bounds")
+                       "algo.calibration.strength to full")
     out += fp8_params_errors(cfg)
     out += a.experimental.problems(cfg.precision.recipe, a.policy_loss.name, a.calibration.enabled,
                                    a.calibration.shadow_fraction, a.calibration.bounds_update)
