@@ -1,8 +1,9 @@
-"""Dose-response table and figure of a study whose arms vary algo.experimental.clip_error_scale.
+"""Dose-response table and figure of a study whose arms vary algo.experimental.clip_error_scale (issue 18), and its
+clip decisions against high precision token by token (issue 27 item 6).
 
-    python tools/dose_response.py examples/studies/deep_addtrace_dose.yaml   # -> <report_dir>/DOSE.md, dose.png
+    python tools/dose_response.py examples/studies/deep_addtrace_dose.yaml   # -> <report_dir>/DOSE.md, dose.png, CLIP_AGREEMENT.md
 
-Reads the finished runs only (megatron_rl/study/dose.py says what is in the report).
+Reads the finished runs only (megatron_rl/study/dose.py and clip_agreement.py say what is in the reports).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     """Load the spec, write the report, print its path."""
     from megatron_rl.study import StudyError, load_study
+    from megatron_rl.study.clip_agreement import write_agreement_report
     from megatron_rl.study.dose import write_dose_report
 
     if len(sys.argv) != 2:
@@ -23,6 +25,7 @@ def main() -> int:
     try:
         study = load_study(sys.argv[1])
         out = write_dose_report(study)
+        print(write_agreement_report(study))
     except StudyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
