@@ -223,7 +223,7 @@ class Learner:
                 output = model(ids, pos, None)
             return output, lambda logits: loss_builder(logits, index, n_mb, mb)
 
-        return get_forward_backward_func()(
+        outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=self._iterators(items),
             model=self.model,
@@ -232,6 +232,10 @@ class Learner:
             micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
+        # every parameter's forward pre-hook waited on (or dispatched) its bucket's all-gather: nothing is pending,
+        # and a forced finish_param_sync would repeat the full all-gather on every export
+        self._params_pending = False
+        return outputs
 
     def _logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocab-parallel log-probs/entropy of local-layout labels."""
