@@ -123,6 +123,8 @@ class Plan:
     """Which layer spec, fusions and overlaps the learner runs on this GPU (trainer/model.py LearnerKernels)."""
     kv_cache_scales: str = "unit"
     """FP8 KV cache scales the engines get: recalibrate (measured, sent with every sync) or unit (precision/kv_scales.py)."""
+    host_memory: Optional[memory.HostMemory] = None
+    """Peak host memory of one learner node during the HF warm start and a checkpoint save (None without learner GPUs)."""
 
     @property
     def ok(self) -> bool:
@@ -213,6 +215,10 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
         fp8_params=prec.fp8_params, seq_len=seq_len, micro_batch_size=t.micro_batch_size,
         num_microbatches=microbatches, logprob_chunk=p.logprob_chunk_size, kl_reference=cfg.algo.kl.coef > 0,
         overhead_bytes=int(opt.overhead_gib * GIB))
+    host = None
+    if lay.learner_gpus > 0:
+        host = memory.host_memory(arch, lm, tp=lay.tp, ranks_per_node=min(gpus_per_node, lay.learner_gpus),
+                                  params_dtype=cfg.optim.params_dtype)
     usable = device.memory_bytes
     # Without a valid learner layout (no GPUs, or they do not divide) its memory is not meaningful yet.
     if lay.dp > 0 and lm.total() > usable:
@@ -292,7 +298,7 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                 learner_beside_engines=lm.beside_engines(r.colocate_offload) if lay.placement == "colocated" else 0,
                 recipe=prec.recipe, rollout_quantization=prec.rollout_quantization,
                 rollout_scale_fmt_requested=prec.rollout_scale_fmt, rollout_scale_fmt=scale_fmt,
-                learner_kernels=_learner_kernels(device, p), kv_cache_scales=_kv_cache_scales(cfg))
+                learner_kernels=_learner_kernels(device, p), kv_cache_scales=_kv_cache_scales(cfg), host_memory=host)
 
 
 def _calibration_cost(flops: throughput.LearnerFlops, step: throughput.StepTime, gpus: int, peak_flops: float,

@@ -70,6 +70,15 @@ def render(plan: Plan, title: str = "") -> str:
         lines.append(f"  beside the engines  {_gib(lm.beside_engines(offload))}   kept while colocated engines run: weights, FP8 "
                      f"copies, reference, overhead{'' if offload else ', gradients, optimizer states'} "
                      f"(rollout.colocate_offload={str(offload).lower()})")
+    hm = plan.host_memory
+    if hm is not None:
+        lines += [
+            f"learner host memory per node ({hm.ranks_per_node} rank(s) a node; plan/memory.py):",
+            f"  HF warm start       {_gib(hm.warm_start)}   each rank reads only its TP/PP slices, one parameter at a time "
+            f"(every rank reading the whole checkpoint: {_gib(hm.warm_start_whole_model).strip()})",
+            f"  checkpoint save     {_gib(hm.checkpoint_save)}   every rank's weights + optimizer shard staged to host "
+            "[megatron dist_checkpointing filesystem_async.py preload_tensors]",
+        ]
     if em is not None:
         lines += [
             "engine memory per GPU (plan/memory.py):",
