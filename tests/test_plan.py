@@ -39,9 +39,9 @@ def test_shipped_configs_pass_for_their_stated_allocation(name):
     assert plan.learner_memory.total() < 80e9 and plan.step_time.total > 0
 
 
-def _plan(overrides=(), config="qwen3_8b_fp8_grpo.yaml", nodes=2, gpus=8, gpu="h100", engine_nodes=1):
+def _plan(overrides=(), config="qwen3_8b_fp8_grpo.yaml", nodes=2, gpus=8, gpu="h100", engine_nodes=1, engine_gpu=None):
     return make_plan(load_config(CONFIGS / config, list(overrides), check_layout=False, check_device=False), nodes, gpus, gpu,
-                     PlanOptions(engine_nodes=engine_nodes))
+                     PlanOptions(engine_nodes=engine_nodes, engine_gpu=engine_gpu))
 
 
 # colocated engines are this host's (the tensor transport's handles open nowhere else)
@@ -73,6 +73,7 @@ BROKEN = {
     "kv-cache-below-one-sequence": dict(overrides=["rollout.mem_fraction_static=0.12"]),
     "colocated-out-of-memory": dict(overrides=COLOCATED, nodes=1),
     "colocated-multi-node": dict(overrides=[*COLOCATED, "rollout.mem_fraction_static=0.3"], nodes=2),
+    "engine-gpu-colocated": dict(overrides=[*COLOCATED, "rollout.mem_fraction_static=0.3"], nodes=1, engine_gpu="b200"),
     "recipe-unsupported-by-gpu": dict(overrides=["precision.recipe=mxfp8"], gpu="h200"),
     "rollout-scales-requantized": dict(overrides=["precision.rollout_scale_fmt=fp32"], gpu="b200"),
 }
