@@ -223,6 +223,8 @@ class RolloutConfig(StrictConfig):
                              f"rollout.placement=colocated (got {self.placement}): engines on GPUs of their own cannot "
                              "open the learner's CUDA-IPC handles; use transport=distributed or disk")
         if self.weight_sync.transport == "tensor" and self.engine == "external":
+            # a necessary condition only: which devices a local engine holds is asked of the engine itself before the
+            # first bucket (rollout/engine_devices.py, TensorWeightSync.check_sender_device / check_colocated_devices)
             remote = [u for u in (self.weight_update_urls or self.urls) if (urlparse(u).hostname or "") not in LOOPBACK_HOSTS]
             if remote:
                 raise ValueError(f"rollout.weight_sync.transport=tensor hands engines shared-memory / CUDA-IPC handles, "
