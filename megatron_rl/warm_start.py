@@ -1,7 +1,7 @@
 """Where the policy starts.
 
 `model.init_checkpoint` names either an HF directory (config + safetensors), loaded through the
-HF -> Megatron mapping on every rank, or a megatron distributed checkpoint (a step directory or a
+HF -> Megatron mapping on every rank, each reading only its own PP/TP slices, or a megatron distributed checkpoint (a step directory or a
 checkpoint root, e.g. from `megatron-rl convert hf-to-megatron`), loaded sharded under any parallel
 layout — the scalable path for 8B+ models. When it is unset, the supervised warm start
 (`megatron_rl.sft`) trains the model on the task once and exports <run_dir>/sft/hf, reused later.
