@@ -126,7 +126,7 @@ def variants(fraction: float) -> dict[str, list[str]]:
     """Config overrides of each variant (on top of --config's calibration settings, e.g. calibrate_every)."""
     on = "algo.calibration.enabled=true"
     full = [on, "algo.calibration.strength=full"]
-    paper = [*full, "algo.calibration.on_policy_bounds=held", "algo.calibration.shadow_fraction=1.0"]
+    paper = [*full, "algo.calibration.shadow_fraction=1.0"]
     return {
         "off": ["algo.calibration.enabled=false"],
         "decision": [on, "algo.calibration.strength=decision"],

@@ -58,8 +58,7 @@ def controller_rollout(session: RunSession, step: int, timers: Timers):
 def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dict:
     """Old log-probs (+ shadow rows), PPO epochs over mini-batches at the plan's bounds, the step's calibration; finalized metrics."""
     cfg, learner, mbs = session.cfg, session.learner, session.cfg.train.micro_batch_size
-    # strength=decision (or an open high_precision_decision gate) decides this whole step's clips on high-precision
-    # ratios of every row
+    # strength=decision decides this whole step's clips on high-precision ratios of every row
     gate_open = error_scale.gate_open(session.clipper, cfg.precision.recipe)
     on_policy_only = batching.on_policy_only_rows(batch.batch_size, cfg.train.num_minibatches, cfg.train.ppo_epochs,
                                                   cfg.train.seed, step)
@@ -88,8 +87,8 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
                 learner_metrics = add_sums(learner_metrics, {k: _t(v) for k, v in out.items()})
     with timers("calibrate"):
         metrics.update(calib.finish())
-    if session.clipper is not None and session.clipper.high_precision_decision_rule:
-        metrics["calib/hp_decision"] = float(gate_open)  # what decided this step's clips (the gate as the step began)
+    if session.clipper is not None and session.clipper.decides_on_high_precision():
+        metrics["calib/hp_decision"] = float(gate_open)  # what decided this step's clips (0 under precision.recipe=none)
     n_updates = cfg.train.ppo_epochs * cfg.train.num_minibatches
     metrics.update(finalize_metrics(reduce_loss_sums(sums), cfg.algo.ratio_hist_log_range))
     metrics.update({f"learner/{k}": float(v) / n_updates for k, v in learner_metrics.items()})

@@ -16,17 +16,11 @@ Definitions used (N = {A < 0}, P = {A > 0}; A = 0 tokens belong to neither):
 - quantile="next_tokens" (per_step: the bounds are for the next step's tokens): L_raw = the type-6 quantile,
   position h = alpha (|N| + 1) on the sorted negative ratios; h within 1e-6 of an integer k gives the k-th
   smallest, otherwise log L_raw is linear between the floor(h)-th and the next; h < 1 gives 0 (below every
-  ratio), raised to the smallest negative ratio under lower_floor="lowest_ratio" (the default; "lower_min" leaves
-  it to the lower clamp), h > |N| the largest ratio * (1 + 1e-6);
+  ratio), raised to the smallest negative ratio, h > |N| the largest ratio * (1 + 1e-6);
 - guard rails in the documented order: clamp L to [lower_min, lower_max], relax_only L <= 1 - eps_low;
   H_raw = the smallest H >= 1 (1 or a positive FP8 ratio) with C+_fp8(H) >= rho * C-_fp8(L) * (1 - 1e-9) (the
   project's documented relative tolerance for summation order), the largest positive ratio when no H reaches it; clamp H to [upper_min, upper_max], relax_only H >= 1 + eps_high;
 - bounds are reported in float32, the precision the loss compares ratios in.
-
-lower_target=agreement (`spec_agreement`): the candidates are `points` log-spaced L from lower_min to 1 - eps_low
-(lower_max without relax_only), both included; on the shadow's negative tokens each scores F_beta = (1 + beta^2) TP /
-(beta^2 |S| + |C(L)|), S = {r_hp < 1 - eps_low}, C(L) = {r < L}, TP = |S & C(L)|; the best (ties: the larger L) gives
-alpha = |C(L)| / |N_shadow|, which the solve then uses in place of the event's alpha (0 when S is empty).
 """
 from __future__ import annotations
 
@@ -80,8 +74,7 @@ def _type6(negs: np.ndarray, alpha: float) -> float:
 def spec_solve(ratio: np.ndarray, ratio_hp: Optional[np.ndarray], adv: np.ndarray, *, eps_low: float, eps_high: float,
                lower_min: float = 0.05, lower_max: float = 1.0, upper_min: float = 1.0, upper_max: float = 10.0,
                relax_only: bool = True, previous: Optional[tuple[float, float]] = None,
-               targets: Optional[tuple[float, float]] = None, quantile: str = "same_tokens",
-               lower_floor: str = "lowest_ratio") -> SpecSolution:
+               targets: Optional[tuple[float, float]] = None, quantile: str = "same_tokens") -> SpecSolution:
     """alpha, rho, L and H of one pooled token set, from the spec: targets from `ratio_hp` (nan where a token has
     none), or `targets` = (alpha, rho) held from an earlier event when no token has one."""
     ratio, adv = (np.asarray(x, dtype=np.float64).reshape(-1) for x in (ratio, adv))
@@ -114,9 +107,7 @@ def spec_solve(ratio: np.ndarray, ratio_hp: Optional[np.ndarray], adv: np.ndarra
         lower_raw, lower = math.nan, prev_lo
     else:
         if quantile == "next_tokens":
-            lower_raw = _type6(negs, alpha)
-            if lower_floor == "lowest_ratio":
-                lower_raw = max(lower_raw, float(negs[0]))
+            lower_raw = max(_type6(negs, alpha), float(negs[0]))
         else:
             k = n_below + 1 if same_tokens else int(math.floor(alpha * n_neg + 1e-6)) + 1
             lower_raw = float(negs[k - 1]) if k <= n_neg else float(negs[-1]) * (1.0 + 1e-6)
@@ -151,29 +142,6 @@ def spec_solve(ratio: np.ndarray, ratio_hp: Optional[np.ndarray], adv: np.ndarra
     if relax_only:
         upper = max(upper, hi_ref)
     return SpecSolution(alpha, rho, lower_raw, lower, upper_raw, _f32(upper))
-
-
-def spec_agreement(ratio: np.ndarray, ratio_hp: np.ndarray, adv: np.ndarray, *, eps_low: float, lower_min: float = 0.05,
-                   lower_max: float = 1.0, relax_only: bool = True, beta: float = 1.0, points: int = 64
-                   ) -> Optional[tuple[float, float]]:
-    """(chosen L, alpha) of lower_target=agreement on one event's tokens (module docstring); None without shadow negatives."""
-    ratio, adv, hp = (np.asarray(x, dtype=np.float64).reshape(-1) for x in (ratio, adv, ratio_hp))
-    shadow_neg = np.isfinite(hp) & (adv < 0)
-    if not shadow_neg.any():
-        return None
-    lp, truth = ratio[shadow_neg], hp[shadow_neg] < 1.0 - eps_low
-    if not truth.any():
-        return math.nan, 0.0
-    top = min(1.0 - eps_low, lower_max) if relax_only else lower_max
-    bottom = min(lower_min, top)
-    grid = [bottom * math.exp(i * math.log(top / bottom) / (points - 1)) for i in range(points - 1)] + [top]
-    best = None
-    for cand in grid:
-        clipped = lp < cand
-        score = (1 + beta ** 2) * float((clipped & truth).sum()) / (beta ** 2 * truth.sum() + clipped.sum())
-        if best is None or score >= best[0]:
-            best = (score, cand, float(clipped.sum()) / lp.size)
-    return best[1], best[2]
 
 
 def load_dumps(run_dir, step: int) -> tuple[int, dict[str, np.ndarray]]:
@@ -220,7 +188,6 @@ def check_run_dumps(run_dir, rows: list[dict], *, ranks: int, eps_low: float, ep
     checked = []
     previous = (1.0 - eps_low, 1.0 + eps_high)
     held: Optional[tuple[float, float]] = None
-    agreed: Optional[float] = None  # lower_target=agreement: the alpha the solves hold (rows carry calib/agreement_*)
     for row in rows:
         n_files, d = load_dumps(run_dir, row["step"])
         if not n_files:
@@ -235,28 +202,18 @@ def check_run_dumps(run_dir, rows: list[dict], *, ranks: int, eps_low: float, ep
         assert event or held is not None, f"step {step}: an ordinary step's solve before any targets"
         kw = dict(eps_low=eps_low, eps_high=eps_high, previous=previous, quantile=quantile, **clamps)
         n_neg, n_pos = int((d["adv"] < 0).sum()), int((d["adv"] > 0).sum())
-        agreement = "calib/agreement_lower" in row
         where = f"step {step} (|N|={n_neg}, |P|={n_pos}, {'event' if event else 'held targets'})"
         if event:
             want = spec_solve(d["ratio"], d["ratio_hp"], d["adv"], **kw)
             n_neg_hp, n_pos_hp = int((known & (d["adv"] < 0)).sum()), int((known & (d["adv"] > 0)).sum())
             targets = held_targets(want, n_neg_hp, n_pos_hp, held)
-            if agreement:
-                chosen = spec_agreement(d["ratio"], d["ratio_hp"], d["adv"], eps_low=eps_low,
-                                        **{k: v for k, v in clamps.items() if k in ("lower_min", "lower_max", "relax_only")})
-                if chosen is not None:
-                    assert _same(row["calib/agreement_lower"], chosen[0], rel_tol=1e-12), (where, row["calib/agreement_lower"], chosen)
-                    agreed = chosen[1]
-            if targets != (want.alpha, want.rho) or agreed is not None:
-                # a side kept its old target, or agreement holds its own alpha: the bounds are solved at those
-                solve_at = (targets[0] if agreed is None else agreed, targets[1])
-                want = spec_solve(d["ratio"], None, d["adv"], targets=solve_at, **kw)
+            if targets != (want.alpha, want.rho):
+                # a side kept its old target: the bounds are solved at the held ones
+                want = spec_solve(d["ratio"], None, d["adv"], targets=targets, **kw)
         else:
             targets = held
-            want = spec_solve(d["ratio"], None, d["adv"], targets=(targets[0] if agreed is None else agreed, targets[1]), **kw)
+            want = spec_solve(d["ratio"], None, d["adv"], targets=targets, **kw)
         alpha, rho = targets
-        if agreed is not None:
-            assert _same(row["calib/alpha_solved"], agreed, rel_tol=1e-12), (where, row["calib/alpha_solved"], agreed)
         assert _same(row["calib/alpha_target"], alpha), (where, row["calib/alpha_target"], alpha)
         assert _same(row["calib/rho_target"], rho, rel_tol=1e-9), (where, row["calib/rho_target"], rho)
         if hist_width:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_rl.algo.calibration import CalibrationTargets
 from megatron_rl.algo.calibration_plan import CalibrationPlan
 from megatron_rl.algo.clipper import CalibratedClipper
 from megatron_rl.config import load_config
@@ -77,9 +78,9 @@ def test_shadow_old_logprobs_run_on_the_shadow_rows_only(world_of_one, fraction)
 
 @pytest.mark.parametrize("mode", ["per_calibration", "per_minibatch"])
 def test_step_calibration_follows_the_plan(world_of_one, mode):
-    cfg = _cfg(f"algo.calibration.bounds_update={mode}", "algo.calibration.shadow_fraction=0.5",
-               "algo.calibration.target_source=static", "algo.calibration.static_alpha=0.1", "algo.calibration.static_rho=1.0")
+    cfg = _cfg(f"algo.calibration.bounds_update={mode}", "algo.calibration.shadow_fraction=0.5")
     clipper = CalibratedClipper(cfg.algo.calibration, eps_low=0.2, eps_high=0.2)
+    clipper.targets = CalibrationTargets.of(0.1, 1.0)  # held from an earlier event
     batch = _batch()
     batch = batch.with_fields(old_logprobs=-(batch.input_ids.float() % 5) / 10)
     for step in (0, 1):
@@ -91,7 +92,7 @@ def test_step_calibration_follows_the_plan(world_of_one, mode):
             mb, bounds, tap = calib.before_update(learner, mb, 0, k)
             taps.append(tap)
         prepasses = [rows for hp, rows in learner.calls if not hp]
-        assert not any(hp for hp, _ in learner.calls)  # static targets: no shadow forward
+        assert step == 0 or not any(hp for hp, _ in learner.calls)  # shadow forwards on the event only
         # a pre-pass only before the off-policy update, only under per_minibatch, over the whole mini-batch
         assert [len(r) for r in prepasses] == ([8] if mode == "per_minibatch" else [])
         # only an event's off-policy update feeds the step's statistics
@@ -124,7 +125,7 @@ def test_per_step_solves_every_step_from_the_training_forwards_alone(world_of_on
     from megatron_rl.phases.loss import RLLoss
 
     cfg = _cfg("algo.calibration.calibrate_every=2", "algo.calibration.shadow_fraction=1", "algo.calibration.strength=full")  # partial shadows: test_shadow_rows_*
-    assert cfg.algo.calibration.bounds_update == "per_step" and cfg.algo.calibration.on_policy_bounds == "open"
+    assert cfg.algo.calibration.bounds_update == "per_step"
     clipper = CalibratedClipper(cfg.algo.calibration, eps_low=0.2, eps_high=0.2)
     batch = _batch(rows=32)
     learner = MovingLearner()
@@ -154,18 +155,15 @@ def test_per_step_solves_every_step_from_the_training_forwards_alone(world_of_on
     assert sum(0.05 < h[0].expected < 0.8 for h in held) >= 2, held  # solved inside the guard rails
 
 
-def test_a_closed_gate_trains_the_on_policy_update_at_the_vanilla_bounds(world_of_one):
-    """strength=gated: while the gate is closed (w = 0) the on-policy update keeps 1 -/+ eps like every other update;
-    once open it trains at [lower_min, upper_max] like the full rule's (gate_opens_to=solved_bounds; the default
-    high_precision_decision keeps 1 -/+ eps open or closed: tests/test_experimental_instrument.py)."""
-    cfg = _cfg("algo.calibration.strength=gated", "algo.calibration.shadow_fraction=1",
-               "algo.calibration.gate_opens_to=solved_bounds")
-    clipper = CalibratedClipper(cfg.algo.calibration, eps_low=0.2, eps_high=0.2)
-    batch = _batch(rows=32)
-    plan = CalibrationPlan.build(0, cfg.algo.calibration, cfg.train, batch.batch_size)
-    step_batch, _ = logprobs.old_logprobs(RecordingLearner(), batch, 4, plan=plan)
-    for w, want in ((0.0, (0.8, 1.2)), (1.0, (0.05, 10.0))):
-        clipper.strength = w
+def test_the_on_policy_update_trains_open_under_full_and_at_the_vanilla_bounds_under_decision(world_of_one):
+    """The step's first update (its high-precision ratio is exactly 1): strength=full trains it at [lower_min,
+    upper_max], strength=decision keeps 1 -/+ eps like every other update."""
+    for strength, want in (("decision", (0.8, 1.2)), ("full", (0.05, 10.0))):
+        cfg = _cfg(f"algo.calibration.strength={strength}", "algo.calibration.shadow_fraction=1")
+        clipper = CalibratedClipper(cfg.algo.calibration, eps_low=0.2, eps_high=0.2)
+        batch = _batch(rows=32)
+        plan = CalibrationPlan.build(0, cfg.algo.calibration, cfg.train, batch.batch_size)
+        step_batch, _ = logprobs.old_logprobs(RecordingLearner(), batch, 4, plan=plan)
         calib = StepCalibration(clipper, plan, cfg, "/nonexistent")
         mb = next(iter(batching.minibatches(step_batch, 2, seed=0)))
         _, bounds, _ = calib.before_update(RecordingLearner(), mb, 0, 0)

@@ -213,3 +213,19 @@ def test_sequences_per_request_default_and_router_rule():
         load_config(base, ["rollout.use_router=true", "rollout.sequences_per_request=32"])
     with pytest.raises(ConfigError, match=r"rollout\.sequences_per_request"):
         load_config(base, ["rollout.sequences_per_request=2000"])
+
+
+def test_fp8_params_is_refused_beside_high_precision_forwards():
+    """FP8 parameters make a 'high-precision' forward multiply FP8 weights: each setting that needs those forwards
+    is refused with precision.fp8_params, both fields named; the same run without them loads."""
+    base = Path(__file__).parent.parent / "examples" / "configs" / "tiny_fp8_grpo.yaml"
+    assert load_config(base).algo.calibration.enabled  # the main job calibrates: hp forwards every event
+    off = ["algo.calibration.enabled=false"]
+    assert load_config(base, off + ["precision.fp8_params=true"]).precision.fp8_params
+    cases = [([], r"algo\.calibration\.enabled=true"),
+             (off + ["algo.policy_loss.clip_decision=high_precision"], r"algo\.policy_loss\.clip_decision=high_precision"),
+             (off + ["algo.experimental.clip_error_scale=0.5"], r"algo\.experimental\.clip_error_scale=0\.5")]
+    for extra, field in cases:
+        with pytest.raises(ConfigError, match=r"precision\.fp8_params=true.*" + field):
+            load_config(base, extra + ["precision.fp8_params=true"])
+        load_config(base, extra)  # without FP8 parameters the same setting is fine

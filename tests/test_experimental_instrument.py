@@ -156,54 +156,28 @@ def test_high_precision_clip_decision_is_the_instrument_at_k0_and_clips_what_hig
     assert torch.equal(sums["clipfrac/num"], sums["experimental/hp_clipfrac/num"])
 
 
-# algo.calibration.gate_opens_to=high_precision_decision: an open gate decides on high-precision ratios
-
-@pytest.mark.parametrize("overrides, fragment", [
-    (["algo.policy_loss.name=cispo"], "cispo"),
-    (["algo.policy_loss.name=cispo", "algo.calibration.gate_opens_to=high_precision_decision"], "solved_bounds"),
-])
-def test_a_high_precision_decision_gate_refuses_what_it_cannot_serve_by_name(overrides, fragment):
-    with pytest.raises(ConfigError, match="algo.calibration.gate_opens_to") as exc:
-        load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
-                    ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.calibration.strength=gated",
-                     "algo.calibration.gate_opens_to=high_precision_decision", *overrides])
-    assert fragment in str(exc.value)
-
 
 def test_the_default_decision_rule_refuses_a_loss_without_a_clip_decision_by_name():
     """strength=decision (the default) decides the PPO clip: cispo has none, and the error names the rules that serve it."""
     with pytest.raises(ConfigError, match="algo.calibration.strength=decision") as exc:
         load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
                     ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.policy_loss.name=cispo"])
-    assert "gate_opens_to=solved_bounds" in str(exc.value) and "cispo" in str(exc.value)
+    assert "algo.calibration.strength to full" in str(exc.value) and "cispo" in str(exc.value)
 
 
-def test_the_gate_form_is_read_only_under_the_gated_rule():
-    """gate_opens_to is scoped to strength=gated: a full-rule config that records it (every run's config.yaml does)
-    loads again, and cispo with a gate that opens to its own bounds is served."""
-    full = load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
-                       ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.calibration.strength=full",
-                        "algo.calibration.gate_opens_to=high_precision_decision"])
-    assert not CalibratedClipper(full.algo.calibration, eps_low=0.2, eps_high=0.2).decides_on_high_precision()
-    load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
-                ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.policy_loss.name=cispo",
-                 "algo.calibration.strength=gated", "algo.calibration.gate_opens_to=solved_bounds"])
-
-
-def test_an_open_high_precision_decision_gate_is_the_option_in_the_loss_and_calibration_sees_the_learner():
-    """gate_open=True under gate_opens_to=high_precision_decision: loss, gradient and clip sums are those of
-    clip_decision=high_precision bit for bit, while the calibration tap records the learner's own ratios (the gate
-    keeps measuring the distortion it opened on); gate_open=False is the ordinary loss."""
+def test_the_decision_rule_is_the_option_in_the_loss_and_calibration_sees_the_learner():
+    """gate_open=True under strength=decision: loss, gradient and clip sums are those of clip_decision=high_precision
+    bit for bit, while the calibration tap records the learner's own ratios (the events keep measuring the
+    distortion); gate_open=False is the ordinary loss."""
     batch, logprobs, drift = _batch(2)
     old_hp = batch.old_logprobs.clone()
     hp = batch.with_fields(old_logprobs_hp=old_hp, logprobs_hp=old_hp + drift + 0.1)
-    gated = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1, strength="gated",
-                                                     gate_opens_to="high_precision_decision"))
-    assert not error_scale.active(gated) and error_scale.active(gated, gate_open=True)
-    plan = CalibrationPlan.build(0, gated.calibration, TrainConfig(num_minibatches=2), batch_size=8)
-    stats = CalibratedClipper(gated.calibration, eps_low=0.2, eps_high=0.2).new_stats(reference=True, record=True)
+    decided = AlgoConfig(calibration=CalibrationConfig(enabled=True, calibrate_every=1, strength="decision"))
+    assert not error_scale.active(decided) and error_scale.active(decided, gate_open=True)
+    plan = CalibrationPlan.build(0, decided.calibration, TrainConfig(num_minibatches=2), batch_size=8)
+    stats = CalibratedClipper(decided.calibration, eps_low=0.2, eps_high=0.2).new_stats(reference=True, record=True)
     lp = logprobs.detach().clone().requires_grad_()
-    loss_fn = RLLoss(gated, None, CalibrationTap(plan, stats, update=1), gate_open=True)
+    loss_fn = RLLoss(decided, None, CalibrationTap(plan, stats, update=1), gate_open=True)
     loss, _ = loss_fn(lp, torch.zeros_like(lp), hp, _Ctx())
     loss.backward()
     opt_loss, opt_grad, opt_sums = _run(AlgoConfig(policy_loss={"clip_decision": "high_precision"}), hp, logprobs)
@@ -213,7 +187,7 @@ def test_an_open_high_precision_decision_gate_is_the_option_in_the_loss_and_cali
     r_lp = torch.exp(logprobs.detach() - batch.old_logprobs)
     torch.testing.assert_close(torch.from_numpy(stats.dump_arrays()["ratio"]), r_lp[mask].double(), rtol=1e-6, atol=0)
     assert not torch.equal(loss_fn.sums["clipfrac/num"], loss_fn.sums["experimental/lp_clipfrac/num"])  # it mattered
-    closed_loss, closed_grad, closed_sums = _run(gated, hp, logprobs)
+    closed_loss, closed_grad, closed_sums = _run(decided, hp, logprobs)
     plain_loss, plain_grad, plain_sums = _run(AlgoConfig(), hp, logprobs)
     assert torch.equal(closed_loss, plain_loss) and torch.equal(closed_grad, plain_grad) and closed_sums.keys() == plain_sums.keys()
 
@@ -230,49 +204,21 @@ def _calibration_event(clippers, noise: float, generator: torch.Generator) -> No
         c.solve(stats, smooth=False)
 
 
-def test_a_high_precision_decision_gate_opens_where_the_bounds_rule_would_and_keeps_the_vanilla_bounds():
-    """The same events open both forms of the gate at the same event; the bounds form moves L and H, the decision
-    form holds 1 -/+ eps (on-policy updates included) and says so through decides_on_high_precision; its state
-    resumes, and resuming it under the other form is refused by name."""
-    g = torch.Generator().manual_seed(3)
-    base = dict(enabled=True, strength="gated", lower_target="event_alpha", gate_min_tokens=15)
-    to_bounds = CalibratedClipper(CalibrationConfig(**base, gate_opens_to="solved_bounds"), eps_low=0.2, eps_high=0.2)
-    to_hp = CalibratedClipper(CalibrationConfig(**base), eps_low=0.2, eps_high=0.2)
-    assert to_hp.cfg.gate_opens_to == "high_precision_decision"  # the default
-    opened = []
-    for noise in (0.01, 0.01, 0.3, 0.3, 0.3):
-        _calibration_event((to_bounds, to_hp), noise, g)
-        assert to_hp.strength == to_bounds.strength and to_hp.gate_counts == to_bounds.gate_counts
-        assert to_hp.decides_on_high_precision() == (to_hp.strength == 1.0)
-        assert not to_bounds.decides_on_high_precision()
-        assert (to_hp.lower, to_hp.upper) == (pytest.approx(0.8), pytest.approx(1.2))
-        assert [float(b) for b in to_hp.on_policy_bounds()] == [pytest.approx(0.8), pytest.approx(1.2)]
-        opened.append(to_hp.strength == 1.0)
-    assert opened[0] is False and opened[-1] is True  # closed on small noise, open on large
-    assert (to_bounds.lower, to_bounds.upper) != (pytest.approx(0.8), pytest.approx(1.2))  # the other form moved them
-    resumed = CalibratedClipper(to_hp.cfg, eps_low=0.2, eps_high=0.2)
-    resumed.load_state_dict(to_hp.state_dict())
-    assert resumed.decides_on_high_precision() and error_scale.gate_open(resumed, "blockwise")
-    assert not error_scale.gate_open(None, "blockwise") and not error_scale.gate_open(resumed, "none")
-    with pytest.raises(ConfigError, match=r"algo\.calibration\.gate_opens_to=solved_bounds.*high_precision_decision"):
-        CalibratedClipper(to_bounds.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(to_hp.state_dict())
-
-
 # algo.calibration.strength=decision (the default): every clip decided on its high-precision ratio from the first step
 
 def test_the_decision_rule_decides_from_the_first_step_moves_no_bound_and_measures_the_distortion():
     """strength=decision decides on high-precision ratios before any calibration event and after every one, holds
     1 -/+ eps (on-policy updates included) whatever the events measure, counts the shadow's and the learner's clipped
-    tokens as the gate does (calib/gate_ratio reports the distortion) and resumes; a gated checkpoint is refused under
-    it by name (a run must not switch rules mid-way), and a decision checkpoint under gated."""
+    tokens as strength=full does (calib/gate_ratio reports the distortion) and resumes; a full checkpoint is refused
+    under it by name (a run must not switch rules mid-way), and a decision checkpoint under full."""
     g = torch.Generator().manual_seed(3)
     decision = CalibratedClipper(CalibrationConfig(enabled=True), eps_low=0.2, eps_high=0.2)
-    gated = CalibratedClipper(CalibrationConfig(enabled=True, strength="gated", gate_min_tokens=15), eps_low=0.2, eps_high=0.2)
-    assert decision.cfg.strength == "decision" and decision.high_precision_decision_rule  # the default
-    assert decision.decides_on_high_precision() and not gated.decides_on_high_precision()
+    full = CalibratedClipper(CalibrationConfig(enabled=True, strength="full"), eps_low=0.2, eps_high=0.2)
+    assert decision.cfg.strength == "decision"  # the default
+    assert decision.decides_on_high_precision() and not full.decides_on_high_precision()
     for noise in (0.01, 0.3, 0.3):
-        _calibration_event((decision, gated), noise, g)
-        assert decision.gate_counts == gated.gate_counts  # the same measurement as the gate's
+        _calibration_event((decision, full), noise, g)
+        assert decision.gate_counts == full.gate_counts  # the same measurement as the full rule's
         assert decision.decides_on_high_precision()
         assert (decision.lower, decision.upper) == (pytest.approx(0.8), pytest.approx(1.2))
         assert [float(b) for b in decision.on_policy_bounds()] == [pytest.approx(0.8), pytest.approx(1.2)]
@@ -281,23 +227,22 @@ def test_the_decision_rule_decides_from_the_first_step_moves_no_bound_and_measur
     resumed = CalibratedClipper(decision.cfg, eps_low=0.2, eps_high=0.2)
     resumed.load_state_dict(decision.state_dict())
     assert resumed.decides_on_high_precision() and resumed.gate_counts == decision.gate_counts
-    with pytest.raises(ConfigError, match=r"algo\.calibration\.strength=decision.*strength=gated"):
-        CalibratedClipper(decision.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(gated.state_dict())
-    with pytest.raises(ConfigError, match=r"algo\.calibration\.strength=gated.*strength=decision"):
-        CalibratedClipper(gated.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(decision.state_dict())
+    with pytest.raises(ConfigError, match=r"algo\.calibration\.strength=decision.*strength=full"):
+        CalibratedClipper(decision.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(full.state_dict())
+    with pytest.raises(ConfigError, match=r"algo\.calibration\.strength=full.*strength=decision"):
+        CalibratedClipper(full.cfg, eps_low=0.2, eps_high=0.2).load_state_dict(decision.state_dict())
 
 
 @pytest.mark.parametrize("overrides", [
     [], ["precision.recipe=tensorwise"], ["precision.recipe=tensorwise", "algo.calibration.enabled=true"],
     ["precision.recipe=tensorwise", "algo.calibration.enabled=true", "algo.calibration.strength=full"],
-    ["precision.recipe=tensorwise", "algo.calibration.enabled=true", "algo.calibration.strength=gated"],
     ["precision.recipe=tensorwise", "algo.policy_loss.clip_decision=high_precision"],
     ["precision.recipe=tensorwise", "algo.experimental.clip_error_scale=8"],
     ["precision.recipe=tensorwise", "algo.experimental.clip_error_scale=8", "algo.calibration.enabled=true"],
     ["algo.calibration.enabled=true"]])
 def test_the_config_level_decision_scale_is_the_loops_at_the_first_step(overrides):
     """The planner and the study reports read every_step_decision_scale from the config; it must be the k the loop's
-    first step decides at (a gated rule's gate starts closed)."""
+    first step decides at."""
     cfg = load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml", overrides)
     clipper = CalibratedClipper(cfg.algo.calibration, eps_low=cfg.algo.policy_loss.eps_low,
                                 eps_high=cfg.algo.policy_loss.eps_high) if cfg.algo.calibration.enabled else None

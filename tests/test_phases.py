@@ -69,7 +69,7 @@ def test_rl_loss_clips_at_its_bounds_and_taps_the_plans_tokens(fraction, mode):
     batch = batch.with_fields(old_logprobs=old, old_logprobs_hp=old_hp, logprobs_hp=cur_hp)
     logprobs = (old + 0.3 * torch.randn_like(old)).requires_grad_()
     algo = AlgoConfig(calibration=CalibrationConfig(enabled=True, strength="full", calibrate_every=1, smoothing=0.0, shadow_fraction=fraction,
-                                                    bounds_update=mode, lower_target="event_alpha"))
+                                                    bounds_update=mode))
     plan = CalibrationPlan.build(0, algo.calibration, TrainConfig(num_minibatches=2), batch_size=8)
     clipper = CalibratedClipper(algo.calibration, eps_low=0.2, eps_high=0.2)
     stats = clipper.new_stats(reference=True, record=True)
@@ -98,7 +98,6 @@ def test_rl_loss_clips_at_its_bounds_and_taps_the_plans_tokens(fraction, mode):
     assert (clipper.targets.alpha, clipper.targets.rho) == (targets.alpha, pytest.approx(targets.rho, rel=1e-12))
     want = solve_bounds(SampleStats(torch.exp(logprobs.detach() - old)[fp8], batch.advantages[fp8]), targets,
                         eps_low=0.2, eps_high=0.2, lower_min=algo.calibration.lower_min,
-                        lower_max=algo.calibration.lower_max, upper_min=algo.calibration.upper_min,
                         upper_max=algo.calibration.upper_max, relax_only=True, quantile=plan.quantile)
     assert (sol.lower, sol.upper) == (want.lower, want.upper)
 

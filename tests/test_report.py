@@ -137,16 +137,15 @@ def test_wall_time_names_the_sessions():
     assert two["wall time (s)"].startswith("997.0 (summed over 2 sessions")
 
 
-def test_summary_says_why_a_gated_run_keeps_or_leaves_the_vanilla_bounds():
-    """strength=gated (and decision) log the pooled clip ratio the gate compares with its tolerance: the summary shows
-    the last one, right after the strength row, and a run without it has no such row."""
+def test_summary_shows_the_distortion_a_decision_run_measured():
+    """strength=decision logs the pooled low/high-precision clip ratio of its shadow tokens: the summary shows the last
+    one, right after the calibrated bounds row, and a run without it has no such row."""
     rows = rows_of(6)
     for s, row in enumerate(rows):
-        row["calib/strength"] = 0.0
         row["calib/gate_ratio"], row["calib/gate_hp_tokens"] = (float("nan"), 0.0) if s < 2 else (1.1 + 0.1 * s, 10.0 * s)
     labels = [label for label, _ in summary_rows(rows, 0.5, 0.5, wall_s=1.0)]
     gate = labels.index("distortion: low/high-precision clip fraction below 1 - eps_low on the shadow's tokens, pooled (final)")
-    assert labels[gate - 1].startswith("calibration strength")
+    assert labels[gate - 1].startswith("calibrated L / H")
     assert dict(summary_rows(rows, 0.5, 0.5, wall_s=1.0))[labels[gate]].startswith(f"{1.6:.4g}x on 50 shadow-clipped")
     assert not any(label.startswith("distortion") for label, _ in summary_rows(rows_of(6), 0.5, 0.5, wall_s=1.0))
 
@@ -284,13 +283,13 @@ def test_summary_names_the_warm_start_and_the_cpu_kernels(tmp_path):
         assert warm_start_summary(cfg, tmp_path).startswith(f"SFT 2000 steps (all sft.steps; sft.stop_accuracy=0.5 {outcome})")
 
 
-def test_summary_counts_the_steps_an_open_gate_decided_on_high_precision_ratios():
-    """gate_opens_to=high_precision_decision logs per step whether the open gate decided its clips: the summary says
-    on how many steps and from which, right after the strength row; runs that do not log it have no such row."""
-    rows = [{"step": s, "calib/strength": float(s >= 2), "calib/hp_decision": float(s >= 3)} for s in range(6)]
+def test_summary_counts_the_steps_decided_on_high_precision_ratios():
+    """strength=decision logs per step whether high-precision ratios decided its clips: the summary says on how many
+    steps and from which, right after the calibrated bounds row; runs that do not log it have no such row."""
+    rows = [{"step": s, "calib/hp_decision": float(s >= 3)} for s in range(6)]
     labels = [label for label, _ in summary_rows(rows, 0.5, 0.5, wall_s=1.0)]
     at = labels.index("clip decided on high-precision ratios (vanilla bounds)")
-    assert labels[at - 1].startswith("calibration strength")
+    assert labels[at - 1].startswith("calibrated L / H")
     assert dict(summary_rows(rows, 0.5, 0.5, wall_s=1.0))[labels[at]] == "3 of 6 steps, first at step 3"
     closed = [{**r, "calib/hp_decision": 0.0} for r in rows]
     assert dict(summary_rows(closed, 0.5, 0.5, wall_s=1.0))["clip decided on high-precision ratios (vanilla bounds)"] == "0 of 6 steps"

@@ -151,19 +151,19 @@ def test_dose_report_groups_arms_by_k_and_calibration(tmp_path):
                                                      "algo.calibration.strength": "full"}},
             {"name": "fp8_calib_pool_k4", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True,
                                                         "algo.experimental.clip_error_scale": 4.0,
-                                                        "algo.calibration.target_events": 4,
+                                                        "algo.calibration.calibrate_every": 4,
                                                         "algo.calibration.shadow_fraction": 1.0,
-                                                        "algo.calibration.excess_tolerance": 0.5}}]
+                                                        "algo.calibration.upper": "fixed"}}]
     study = load_study(_spec(tmp_path, arms=arms))
     assert [arm_dose(a.overrides) for a in study.spec.arms] == [
         (None, "reference"), (1.0, "vanilla"), (4.0, "vanilla"), (1.0, "calibrated"), (4.0, "calibrated"),
-        (1.0, "calibrated, strength=full"), (4.0, "calibrated, excess_tolerance=0.5, target_events=4")]
+        (1.0, "calibrated, strength=full"), (4.0, "calibrated, calibrate_every=4, upper=fixed")]
     for arm, k in (("hp", 0.5), ("fp8", 1.0), ("fp8_k4", 4.0), ("fp8_calib", 2.0)):
         for seed in (1, 2):
             _fake_run(study, arm, seed, k + seed, dumps=False)
     text = write_dose_report(study).read_text()
     assert ("| metric | hp (reference) | vanilla k=1 | vanilla k=4 | calibrated k=1 | calibrated k=4 "
-            "| calibrated, excess_tolerance=0.5, target_events=4 k=4 | calibrated, strength=full k=1 |") in text
+            "| calibrated, calibrate_every=4, upper=fixed k=4 | calibrated, strength=full k=1 |") in text
     row = next(line for line in text.splitlines() if line.startswith("| clipfrac_lower_neg |")).split(" | ")
     # (4+1, 4+2) * 0.01; the default calibration at k = 1 keeps its own cell beside the full-strength arm (which, never
     # run, must not overwrite it); k4 calib and full never ran
@@ -215,7 +215,7 @@ def test_a_shadow_fraction_other_than_the_default_is_a_variant_of_its_own(tmp_pa
 
     assert arm_dose({"precision.recipe": "blockwise", "algo.calibration.enabled": True,
                      "algo.calibration.shadow_fraction": 0.5}) == (1.0, "calibrated, shadow_fraction=0.5")
-    # the committed dose specs hold the default, its shadow-0.5 variant and the excess rule at k = 1: one cell each
+    # the committed dose specs hold the default and its shadow-0.5 variant at k = 1: one cell each
     monkeypatch.chdir(tmp_path)  # output_dir is relative to it: nothing ran there, every cell is n/a
     for name in ("deep_addtrace_dose.yaml", "deep_addtrace_dose_s456.yaml"):
         study = load_study(REPO / "examples" / "studies" / name)
@@ -356,25 +356,23 @@ def test_a_run_made_before_a_behaviour_changing_field_is_refused(tmp_path):
     # the same record is reused where the spec asks for what it did
     rollout = load_study(_spec(tmp_path, overrides={"train.old_logprob_batches": "rollout"}))
     check_existing_runs(rollout, [])
-    # a calibrated run from before algo.calibration.gate_opens_to moved the bounds when its gate opened
-    gated = {"algo.calibration.enabled": True, "algo.calibration.strength": "gated"}
-    calibrated = load_study(_spec(tmp_path, overrides=gated))
-    record = calibrated.run_config("fp8", 1, []).model_dump(mode="json")
-    del record["algo"]["calibration"]["gate_opens_to"]
-    (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
-    with pytest.raises(StudyError, match="algo.calibration.gate_opens_to: 'solved_bounds' .before the field existed. "
-                                         "-> 'high_precision_decision'"):
-        check_existing_runs(calibrated, [])
-    check_existing_runs(load_study(_spec(tmp_path, overrides={**gated, "algo.calibration.gate_opens_to": "solved_bounds"})), [])
-    # a gated run's record is refused where the spec now gives the default (strength=decision): another rule
-    with pytest.raises(StudyError, match="algo.calibration.strength: 'gated' -> 'decision'"):
-        check_existing_runs(load_study(_spec(tmp_path, overrides={"algo.calibration.enabled": True})), [])
-    # under another strength rule no gate is read: such a record is reused as it is
+    # a record holding removed calibration fields: reused where they are what the code now always does (or were read
+    # only by a removed rule, which its strength shows), refused where they are not
     full = load_study(_spec(tmp_path, overrides={"algo.calibration.enabled": True, "algo.calibration.strength": "full"}))
     record = full.run_config("fp8", 1, []).model_dump(mode="json")
-    del record["algo"]["calibration"]["gate_opens_to"]
+    record["algo"]["calibration"].update(lower_target="event_alpha", target_events=1, on_policy_bounds="open", seed=3,
+                                         gate_opens_to="solved_bounds", excess_tolerance=1.0, hist_log_min=-4.0)
     (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
     check_existing_runs(full, [])
+    for field, value in (("on_policy_bounds", "held"), ("lower_target", "agreement"), ("target_events", 4)):
+        (d / "config.yaml").write_text(yaml.safe_dump({**record, "algo": {**record["algo"], "calibration": {
+            **record["algo"]["calibration"], field: value}}}, sort_keys=False))
+        with pytest.raises(StudyError, match=f"algo.calibration.{field}: {value!r} -> '.no such field now.'"):
+            check_existing_runs(full, [])
+    record["algo"]["calibration"].update(strength="gated")
+    (d / "config.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    with pytest.raises(StudyError, match="algo.calibration.strength: 'gated' -> 'full'"):
+        check_existing_runs(full, [])
     # a warm start (SFT) reads no such field: one recorded before it existed is still the same warm start
     cfg = study.warm_start_config()
     record = config_record(cfg)
@@ -576,15 +574,15 @@ def _assert_shared_runs_agree(spec: str, others: tuple[str, ...]) -> int:
 def test_the_many_seed_and_harm_specs_reuse_the_runs_they_share():
     """deep_addtrace_dose_seeds.yaml pairs seeds 1-6 of deep_addtrace_dose.yaml / _heldout.yaml with new seeds;
     calibration_harm_small.yaml shares calibration_tracking_heldout.yaml's runs."""
-    # hp and the four dose-end arms on seeds 1-6, the excess arm at k = 8 and the gated arms at k = 1 and 8 on seeds 1-3
+    # hp and the four dose-end arms on seeds 1-6
     assert _assert_shared_runs_agree("deep_addtrace_dose_seeds.yaml",
-                                     ("deep_addtrace_dose.yaml", "deep_addtrace_dose_heldout.yaml")) == 5 * 6 + 3 + 2 * 3
-    # hp and the three k = 4 arms on seeds 1-3
-    assert _assert_shared_runs_agree("deep_addtrace_dose_k4_seeds.yaml", ("deep_addtrace_dose.yaml",)) == 4 * 3
-    # hp, vanilla, the default, excess and the high-precision clip decision (k = 0) on seeds 10-19
-    assert _assert_shared_runs_agree("calibration_harm_small.yaml", ("calibration_tracking_heldout.yaml",)) == 5 * 10
-    # hp, vanilla NVFP4 and its gated calibration on seeds 1-3; its k = 0 arm also pairs with the FP8 k = 0 runs' hp
-    assert _assert_shared_runs_agree("deep_addtrace_nvfp4_k0.yaml", ("deep_addtrace_grpo.yaml",)) == 3 * 3
+                                     ("deep_addtrace_dose.yaml", "deep_addtrace_dose_heldout.yaml")) == 5 * 6
+    # hp and the two k = 4 arms on seeds 1-3
+    assert _assert_shared_runs_agree("deep_addtrace_dose_k4_seeds.yaml", ("deep_addtrace_dose.yaml",)) == 3 * 3
+    # hp, vanilla, the default and the high-precision clip decision (k = 0) on seeds 10-19
+    assert _assert_shared_runs_agree("calibration_harm_small.yaml", ("calibration_tracking_heldout.yaml",)) == 4 * 10
+    # hp and vanilla NVFP4 on seeds 1-3; its k = 0 arm also pairs with the FP8 k = 0 runs' hp
+    assert _assert_shared_runs_agree("deep_addtrace_nvfp4_k0.yaml", ("deep_addtrace_grpo.yaml",)) == 2 * 3
     assert _assert_shared_runs_agree("deep_addtrace_nvfp4_k0.yaml", ("deep_addtrace_dose_seeds.yaml",)) == 12
     # hp and the clip decided on the high-precision ratio (k = 0) on seeds 1-9
     assert _assert_shared_runs_agree("deep_addtrace_dose_k4_seeds.yaml", ("deep_addtrace_dose_seeds.yaml",)) == 2 * 9

@@ -4,9 +4,9 @@ clip fraction of negative-advantage tokens (clipfrac_lower_neg) at high precisio
     # 1. record: a calibrated run with a shadow pass on every step and every off-policy row, saving every update's
     #    tokens (FP8 and high-precision log-ratios, advantages, update index) to RUN_DIR/replay/step_NNNNNN.npz
     python tools/calibration_replay.py record examples/configs/calibration_tracking_base.yaml run_dir=runs/replay/nvfp4_s1 \\
-        precision.recipe=nvfp4 algo.calibration.enabled=true algo.calibration.bounds_update=per_calibration \\
-        algo.calibration.on_policy_bounds=held algo.calibration.calibrate_every=1 algo.calibration.shadow_fraction=1 \\
-        train.seed=1 rollout.seed=1 algo.calibration.seed=1 precision.fp4_seed=1 model.init_checkpoint=... data.train_file=...
+        precision.recipe=nvfp4 algo.calibration.enabled=true algo.calibration.strength=full \\
+        algo.calibration.bounds_update=per_calibration algo.calibration.calibrate_every=1 algo.calibration.shadow_fraction=1 \\
+        train.seed=1 rollout.seed=1 precision.fp4_seed=1 model.init_checkpoint=... data.train_file=...
     # 2. replay: every rule on the recorded tokens, against the run's own shadow and a high-precision run's metrics
     python tools/calibration_replay.py replay runs/replay/nvfp4_s1 runs/replay/nvfp4_s2 ... --hp runs/hp_s1 runs/hp_s2 ...
 

@@ -1,9 +1,8 @@
-"""Dose-response table and figure of a study whose arms vary algo.experimental.clip_error_scale (issue 18), and its
-clip decisions against high precision token by token (issue 27 item 6).
+"""Dose-response table and figure of a study whose arms vary algo.experimental.clip_error_scale.
 
-    python tools/dose_response.py examples/studies/deep_addtrace_dose.yaml   # -> <report_dir>/DOSE.md, dose.png, CLIP_AGREEMENT.md
+    python tools/dose_response.py examples/studies/deep_addtrace_dose.yaml   # -> <report_dir>/DOSE.md, dose.png
 
-Reads the finished runs only (megatron_rl/study/dose.py and clip_agreement.py say what is in the reports).
+Reads the finished runs only (megatron_rl/study/dose.py says what is in the report).
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     """Load the spec, write the report, print its path."""
     from megatron_rl.study import StudyError, load_study
-    from megatron_rl.study.clip_agreement import write_agreement_report
     from megatron_rl.study.dose import write_dose_report
 
     if len(sys.argv) != 2:
@@ -25,7 +23,6 @@ def main() -> int:
     try:
         study = load_study(sys.argv[1])
         out = write_dose_report(study)
-        print(write_agreement_report(study))
     except StudyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -15,8 +15,8 @@ communication), and `reduce(group)` combines the ranks once per solve:
      k = floor(alpha |N|) + 1; for bounds applied to later tokens (`quantile="next_tokens"`, per_step) the
      type-6 quantile at position alpha (|N| + 1), whose expected coverage of new tokens is alpha
      (megatron_rl/algo/ratio_stats.py);
-     With `lower_floor="lowest_ratio"` L is at least the lowest FP8 negative ratio (the largest L that clips none of
-     the solved tokens), so an alpha below the first token (alpha = 0) keeps a lower trust region;
+     L is at least the lowest FP8 negative ratio (the largest L that clips none of the solved tokens), so an
+     alpha below the first token (alpha = 0) keeps a lower trust region;
   2. clamp L to [lower_min, lower_max];
   3. relax_only: L = min(L, 1 - eps_low);
   4. H from the `upper` rule at that L (match_contribution: smallest H >= 1 with
@@ -40,6 +40,19 @@ from megatron_rl.algo.registry import Registry
 from megatron_rl.parallel import collectives
 
 Stats = Union[SampleStats, HistStats]
+
+HIST_LOG_MIN = -4.0
+"""histogram backend: lower edge of the binned log-ratio range."""
+HIST_LOG_MAX = 4.0
+"""histogram backend: upper edge of the binned log-ratio range."""
+LOWER_MAX = 1.0
+"""Clamp: largest calibrated lower bound L."""
+UPPER_MIN = 1.0
+"""Clamp: smallest calibrated upper bound H."""
+MAX_SAMPLES_PER_RANK = 65536
+"""allgather backend: (ratio, advantage) pairs one rank contributes to a solve at most (uniform subsample beyond)."""
+SEED = 0
+"""Seed of the shadow_fraction row draws and of the allgather subsampling."""
 
 
 @dataclass(frozen=True)
@@ -166,9 +179,6 @@ class ReducedStats(NamedTuple):
     """FP8 ratio statistics (None when the solve collects none: a targets-only event)."""
     targets: Optional[CalibrationTargets]
     """alpha and rho of the high-precision ratios (None when the solve has no shadow tokens)."""
-    agreement: Optional[tuple[Stats, Stats]] = None
-    """lower_target=agreement events: the low-precision ratios of the shadow tokens, and of those among them that high
-    precision puts below 1 - eps_low (None otherwise)."""
 
 
 class RatioStats:
@@ -179,20 +189,13 @@ class RatioStats:
     themselves (FP8 and high-precision ratios, advantages, update index) for the ratio dumps.
     `weighted` statistics count each token `weight` times (`add(..., weight=)`, required then): the
     rollout-correction weights of stale samples under rollout.overlap=one_step_off.
-    `agreement` (with `reference`) also keeps the low-precision ratios of the shadow's negative tokens, all of them and
-    those high precision clips, so a solve can score candidate bounds token by token (`agreement_counts`).
     """
 
     def __init__(self, backend: str, *, fp8: bool = True, reference: bool = False, eps_low: float = 0.2,
-                 eps_high: float = 0.2, hist_spec: HistSpec = HistSpec(), record: bool = False, weighted: bool = False,
-                 agreement: bool = False) -> None:
+                 eps_high: float = 0.2, hist_spec: HistSpec = HistSpec(), record: bool = False,
+                 weighted: bool = False) -> None:
         """An empty accumulator for `backend` ("allgather" | "histogram")."""
         _check_backend(backend)
-        if agreement and not reference:
-            raise ValueError("agreement statistics need the high-precision ratios (reference=True)")
-        # (shadow negatives, shadow-clipped negatives): plain FP8 statistics of the same backend, so both backends work
-        self.agreement = tuple(RatioStats(backend, eps_low=eps_low, eps_high=eps_high, hist_spec=hist_spec, weighted=weighted)
-                               for _ in range(2)) if agreement else None
         self.weighted = weighted
         self.backend, self.hist_spec = backend, hist_spec
         self.collect_fp8, self.collect_reference = fp8, reference
@@ -239,12 +242,6 @@ class RatioStats:
             sums = reference_sums(ratio_hp, adv, eps_low=self.eps_low, eps_high=self.eps_high,
                                   weight=None if hp_mask is None and weight is None else ref_w)
             self.reference = sums if self.reference is None else self.reference + sums
-        if self.agreement is not None:
-            # advantage 0 drops a token from N and P: masks instead of indexing keep shapes static (no host sync)
-            shadow_neg = in_hp & (adv < 0)
-            hp_clipped = shadow_neg & (ratio_hp.to(torch.float64) < 1.0 - self.eps_low)
-            for part, sel in zip(self.agreement, (shadow_neg, hp_clipped)):
-                part.add(ratio, torch.where(sel, adv, torch.zeros_like(adv)), weight=weight)
         if self.collect_fp8:
             if self.backend == "histogram":
                 self.parts = [local_histogram(ratio, adv, self.hist_spec, weight) + (self.parts[0] if self.parts else 0.0)]
@@ -260,7 +257,7 @@ class RatioStats:
             self.records.append(rec)
         self.num_tokens += int(ratio.numel())
 
-    def reduce(self, group: Optional[object] = None, *, max_samples_per_rank: int = 65536,
+    def reduce(self, group: Optional[object] = None, *, max_samples_per_rank: int = MAX_SAMPLES_PER_RANK,
                generator: Optional[torch.Generator] = None) -> ReducedStats:
         """Global statistics over `group` (collective: every rank of the group calls it, even with no tokens)."""
         fp8 = None
@@ -272,11 +269,7 @@ class RatioStats:
         if self.collect_reference:
             local = self.reference if self.reference is not None else torch.zeros(5, dtype=torch.float64)  # device-ok: no tokens on this rank; the collective places it
             targets = targets_from_sums(collectives.all_reduce_sum(local, group))
-        agreement = None
-        if self.agreement is not None:
-            agreement = tuple(part.reduce(group, max_samples_per_rank=max_samples_per_rank, generator=generator).fp8
-                              for part in self.agreement)
-        return ReducedStats(fp8, targets, agreement)
+        return ReducedStats(fp8, targets)
 
     def dump_arrays(self) -> dict[str, np.ndarray]:
         """The recorded tokens as numpy arrays: ratio, ratio_hp (float64; nan where not collected), adv (float64), minibatch (int64)."""
@@ -299,7 +292,7 @@ def reference_targets(ratio_hp: torch.Tensor, adv: torch.Tensor, *, eps_low: flo
 
 
 def gather_ratio_stats(ratio: torch.Tensor, adv: torch.Tensor, *, group: Optional[object] = None,
-                       backend: str = "allgather", max_samples_per_rank: int = 65536, hist_spec: HistSpec = HistSpec(),
+                       backend: str = "allgather", max_samples_per_rank: int = MAX_SAMPLES_PER_RANK, hist_spec: HistSpec = HistSpec(),
                        generator: Optional[torch.Generator] = None) -> Stats:
     """Global statistics of (ratio, adv) over `group` by `backend` (one collective round per call)."""
     stats = RatioStats(backend, hist_spec=hist_spec)
@@ -332,8 +325,6 @@ def _upper_fixed(stats: Stats, lower: float, targets: CalibrationTargets, eps_lo
 
 
 QUANTILES = {"same_tokens": "lower_quantile", "next_tokens": "predictive_lower_quantile"}
-LOWER_FLOORS = ("lowest_ratio", "lower_min")
-"""What bounds L from below when alpha lies under the first negative token (config algo.calibration.lower_floor)."""
 """How L is read off the FP8 negative ratios: for the tokens the statistics hold, or for tokens not yet seen."""
 
 
@@ -357,24 +348,21 @@ def solve_bounds(
     eps_high: float,
     upper: str = "match_contribution",
     lower_min: float = 0.05,
-    lower_max: float = 1.0,
-    upper_min: float = 1.0,
+    lower_max: float = LOWER_MAX,
+    upper_min: float = UPPER_MIN,
     upper_max: float = 10.0,
     relax_only: bool = False,
     previous: Optional[tuple[float, float]] = None,
     dtype: torch.dtype = torch.float32,
     quantile: str = "same_tokens",
-    lower_floor: str = "lowest_ratio",
 ) -> BoundsSolution:
     """L and H from global statistics in the module docstring's order (no communication); `previous` (default 1 -/+ eps) fills an empty side."""
     rule = UPPER_RULES.get(upper)
     if quantile not in QUANTILES:
         raise ValueError(f"unknown calibration quantile {quantile!r}; choose one of {sorted(QUANTILES)}")
-    if lower_floor not in LOWER_FLOORS:
-        raise ValueError(f"unknown calibration lower_floor {lower_floor!r}; choose one of {LOWER_FLOORS}")
     prev_lo, prev_hi = (1.0 - eps_low, 1.0 + eps_high) if previous is None else (float(previous[0]), float(previous[1]))
     raw_lo = getattr(stats, QUANTILES[quantile])(targets.alpha)
-    if raw_lo is not None and lower_floor == "lowest_ratio":
+    if raw_lo is not None:
         # below the first order statistic the type-6 quantile extrapolates toward 0, which leaves the negative side
         # without a trust region until the next solve; the lowest ratio seen clips none of the solved tokens either
         raw_lo = max(raw_lo, stats.lower_quantile(0.0))
@@ -405,12 +393,12 @@ def calibrate_bounds(
     group: Optional[object] = None,
     backend: str = "allgather",
     lower_min: float = 0.05,
-    lower_max: float = 1.0,
-    upper_min: float = 1.0,
+    lower_max: float = LOWER_MAX,
+    upper_min: float = UPPER_MIN,
     upper_max: float = 10.0,
     relax_only: bool = False,
     previous: Optional[tuple[float, float]] = None,
-    max_samples_per_rank: int = 65536,
+    max_samples_per_rank: int = MAX_SAMPLES_PER_RANK,
     hist_spec: HistSpec = HistSpec(),
     generator: Optional[torch.Generator] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,54 +413,7 @@ def calibrate_bounds(
             torch.tensor(sol.upper, dtype=dtype, device=ratio.device))
 
 
-def agreement_grid(lower_min: float, top: float, points: int) -> list[float]:
-    """Candidate lower bounds of lower_target=agreement: `points` log-spaced values from lower_min to `top` (both
-    included; `top` is the vanilla 1 - eps_low under relax_only), the same at every event so events pool."""
-    if not 0 < lower_min <= top:
-        raise ValueError(f"agreement grid needs 0 < lower_min <= top, got {lower_min} and {top}")
-    step = math.log(top / lower_min) / (points - 1)
-    return [lower_min * math.exp(i * step) for i in range(points - 1)] + [top]
-
-
-def agreement_counts(agreement: tuple[Stats, Stats], grid: Sequence[float]) -> list[float]:
-    """Per candidate L of `grid`: the shadow's negative tokens whose low-precision ratio is below L, then (second half)
-    those of them high precision also puts below 1 - eps_low: the clipped and the truly clipped count of each L."""
-    shadow, clipped = agreement
-    return [shadow.neg_count_below(x) for x in grid] + [clipped.neg_count_below(x) for x in grid]
-
-
-class Agreement(NamedTuple):
-    """The candidate lower bound whose clip decisions agree best with the shadow's (lower_target=agreement)."""
-
-    lower: float
-    """The chosen candidate L (nan when the shadow clipped nothing: no agreement to score)."""
-    alpha: float
-    """Fraction of the shadow's negative tokens the low-precision ratios put below it: the target later solves hold."""
-    precision: float
-    """Share of the tokens clipped at L that high precision clips (nan when none is clipped)."""
-    recall: float
-    """Share of the tokens high precision clips that L clips too (nan when high precision clips none)."""
-
-
-def best_agreement(counts: Sequence[float], grid: Sequence[float], *, num_neg: float, num_hp_clipped: float,
-                   beta: float) -> Optional[Agreement]:
-    """The grid L with the highest F_beta = (1 + beta^2) TP / (beta^2 |S| + |C(L)|) of its clip decisions against the
-    shadow's S = {n in N: r_hp < 1 - eps_low} (ties: the largest L, the tighter trust region); counts from
-    `agreement_counts` (pooled events sum them). None when N is empty; alpha 0 when S is: every clip would be wrong."""
-    if not num_neg > 0:
-        return None
-    g = len(grid)
-    clipped, true_pos = counts[:g], counts[g:2 * g]
-    if not num_hp_clipped > 0:
-        return Agreement(math.nan, 0.0, math.nan, math.nan)
-    b2 = beta * beta
-    scores = [(1 + b2) * tp / (b2 * num_hp_clipped + c) for c, tp in zip(clipped, true_pos)]
-    j = max(range(g), key=lambda i: (scores[i], i))
-    c, tp = clipped[j], true_pos[j]
-    return Agreement(grid[j], c / num_neg, tp / c if c > 0 else math.nan, tp / num_hp_clipped)
-
-
-def calibration_bytes(backend: str, *, world_size: int, tokens_per_rank: int, max_samples_per_rank: int = 65536,
+def calibration_bytes(backend: str, *, world_size: int, tokens_per_rank: int, max_samples_per_rank: int = MAX_SAMPLES_PER_RANK,
                       hist_spec: HistSpec = HistSpec()) -> int:
     """Bytes one rank receives per FP8-statistics reduce of `tokens_per_rank` tokens (ring algorithms) for `backend`."""
     _check_backend(backend)

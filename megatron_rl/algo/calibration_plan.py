@@ -20,20 +20,19 @@ Decisions (docs/CALIBRATED_CLIPPING.md, "Which tokens a solve sees"):
   once it trains, so the calibration step itself trains with the previously held bounds and the
   new bounds apply from the next step. Under `per_minibatch` the event refreshes the same pooled
   solve (targets and held bounds) and each off-policy mini-batch additionally re-solves first.
-- `shadow`: the event takes alpha and rho from high-precision shadow forwards
-  (target_source: shadow): pi_old_hp in the log-probs phase and the current policy's
+- `shadow`: the event takes alpha and rho from high-precision shadow forwards: pi_old_hp in the log-probs phase and the current policy's
   high-precision log-probs before every off-policy update, both on `shadow_rows` only.
 - `shadow_rows`: the step-batch rows (positions, i.e. TrainBatch.sample_index of the step
   batch) whose tokens run the shadow forwards and feed the event's solve, drawn from the rows an
   off-policy update trains on (the caller's `skip_rows`, rows only the on-policy first update
   trains, never feed a calibration statistic, so their shadow forward would be wasted): all of
   them when shadow_fraction = 1, else round(shadow_fraction * candidates) rows (at least 1) drawn
-  with a generator seeded by (calibration.seed, step), so every rank draws the same rows and the
+  with a generator seeded by (calibration.SEED, step), so every rank draws the same rows and the
   shadow cost falls with the fraction.
 - `off_policy(epoch, k)`: every update but the first of the step (epoch 0, mini-batch 0), whose
   ratios are exactly 1 in high precision and say nothing about clipping.
-- `open_bounds(epoch, k)`: on_policy_bounds: open: that first update trains at [lower_min, upper_max]
-  (high precision clips none of its tokens; FP8 noise alone would).
+- `open_bounds(epoch, k)`: that first update trains at the clipper's on-policy bounds ([lower_min, upper_max]
+  under strength=full: high precision clips none of its tokens; FP8 noise alone would).
 - `prepass(epoch, k)`: per_minibatch: a no-grad FP8 forward of the current policy over the whole
   mini-batch before its update, one pooled solve at the held targets, and that update trains
   with the result.
@@ -45,6 +44,7 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.algo.calibration import SEED
 from megatron_rl.config.algo import CalibrationConfig
 from megatron_rl.config.train import TrainConfig
 
@@ -60,7 +60,7 @@ class CalibrationPlan:
     event: bool
     """This step is a calibration event: its off-policy tokens feed one pooled solve at the end of the step."""
     shadow: bool
-    """The event's targets come from high-precision shadow forwards (target_source: shadow)."""
+    """The event's targets come from high-precision shadow forwards (every event)."""
     per_minibatch: bool
     """bounds_update: per_minibatch (an FP8 pre-pass and a solve before every off-policy update)."""
     num_minibatches: int
@@ -74,25 +74,25 @@ class CalibrationPlan:
     per_step: bool = False
     """bounds_update: per_step (a pooled solve at the end of every step over its own off-policy FP8 ratios)."""
     open_on_policy: bool = False
-    """on_policy_bounds: open (the step's first update trains at the guard rails' outer limits)."""
+    """Calibration is on: the step's first update trains at the clipper's on-policy bounds."""
 
     @classmethod
     def build(cls, step: int, cfg: CalibrationConfig, train: TrainConfig, batch_size: int,
               skip_rows: tuple[int, ...] = (), whole_shadow: bool = False) -> "CalibrationPlan":
         """The plan of `step` for a step batch of `batch_size` rows; `skip_rows` are trained by no off-policy update
         (batching.on_policy_only_rows), so no shadow forward runs on them; `whole_shadow`: an event's shadow takes
-        every candidate row whatever shadow_fraction (a step whose clip an open gate decides on high-precision ratios
+        every candidate row whatever shadow_fraction (a step whose clips are decided on high-precision ratios
         forwards them all anyway)."""
         event = cfg.enabled and step % cfg.calibrate_every == 0
-        shadow = event and cfg.target_source == "shadow"
+        shadow = event
         rows: tuple[int, ...] = ()
         if event:
-            skip = set(skip_rows) if shadow else set()
+            skip = set(skip_rows)
             candidates = [i for i in range(batch_size) if i not in skip]
             rows = tuple(candidates)
-            if shadow and cfg.shadow_fraction < 1.0 and candidates and not whole_shadow:
+            if cfg.shadow_fraction < 1.0 and candidates and not whole_shadow:
                 n = min(len(candidates), max(1, round(cfg.shadow_fraction * len(candidates))))
-                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+                g = torch.Generator().manual_seed(SEED * 1_000_003 + step)
                 pick = torch.randperm(len(candidates), generator=g)[:n].tolist()  # device-ok: a host-side draw of row numbers
                 rows = tuple(sorted(candidates[i] for i in pick))
         per_step = cfg.enabled and cfg.bounds_update == "per_step"
@@ -100,7 +100,7 @@ class CalibrationPlan:
                    per_minibatch=cfg.enabled and cfg.bounds_update == "per_minibatch",
                    num_minibatches=train.num_minibatches, ppo_epochs=train.ppo_epochs, batch_size=batch_size,
                    shadow_rows=rows, per_step=per_step,
-                   open_on_policy=cfg.enabled and cfg.on_policy_bounds == "open")
+                   open_on_policy=cfg.enabled)
 
     @property
     def all_rows(self) -> bool:
@@ -135,7 +135,7 @@ class CalibrationPlan:
         return self.solves and self.off_policy(epoch, k)
 
     def open_bounds(self, epoch: int, k: int) -> bool:
-        """Whether update (epoch, k) trains at the guard rails' outer limits (on_policy_bounds: open, the first update)."""
+        """Whether update (epoch, k) trains at the clipper's on-policy bounds (the step's first update)."""
         return self.open_on_policy and not self.off_policy(epoch, k)
 
     def shadow_forward(self, epoch: int, k: int) -> bool:

@@ -10,8 +10,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from megatron_rl.config.base import (NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Seed, StrictConfig,
-                                     UnitFloat)
+from megatron_rl.config.base import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, StrictConfig
 from megatron_rl.config.experimental import ExperimentalConfig
 
 
@@ -51,74 +50,82 @@ class PolicyLossConfig(StrictConfig):
     entropy_coef: NonNegativeFloat = 0.0
     """Entropy bonus coefficient (>= 0; the loss subtracts coef * entropy)."""
     clip_decision: Literal["learner", "high_precision"] = "learner"
-    """Ratio that decides which tokens the clip zeroes: learner (its own forward's) or high_precision (high-precision forwards of pi_old and of every update's policy decide, the learner's forward still gives loss and gradient; costs those forwards; docs/RESULTS.md section 11)."""
+    """Ratio that decides which tokens the clip zeroes: learner (its own forward's) or high_precision (high-precision forwards of pi_old and of every update's policy, paid every step). The learner's forward still gives loss and gradient."""
+
+
+_REMOVED_RULE = "delete it and set algo.calibration.strength to decision (the default) or full"
+REMOVED_CALIBRATION_FIELDS: dict[str, tuple[object, str]] = {
+    # field: (the value whose behaviour the code keeps, or None where only a removed rule read it; what to do instead)
+    "gate_opens_to": (None, _REMOVED_RULE),
+    "excess_tolerance": (None, _REMOVED_RULE),
+    "gate_min_tokens": (None, _REMOVED_RULE),
+    "lower_target": ("event_alpha", "delete it (L takes the last calibration event's alpha)"),
+    "agreement_beta": (None, "delete it (L takes the last calibration event's alpha)"),
+    "agreement_points": (None, "delete it (L takes the last calibration event's alpha)"),
+    "deflate_prior_tokens": (None, "delete it (L takes the last calibration event's alpha)"),
+    "target_events": (1, "delete it (each calibration event's targets stand alone)"),
+    "target_source": ("shadow", "delete it (the targets come from the high-precision shadow)"),
+    "static_alpha": (None, "delete it (the targets come from the high-precision shadow)"),
+    "static_rho": (None, "delete it (the targets come from the high-precision shadow)"),
+    "lower_floor": ("lowest_ratio", "delete it (L is at least the lowest FP8 negative ratio solved on)"),
+    "on_policy_bounds": ("open", "delete it (the on-policy update trains at [lower_min, upper_max] under strength=full)"),
+    "hist_log_min": (-4.0, "delete it (fixed at -4, megatron_rl.algo.calibration.HIST_LOG_MIN)"),
+    "hist_log_max": (4.0, "delete it (fixed at 4, megatron_rl.algo.calibration.HIST_LOG_MAX)"),
+    "lower_max": (1.0, "delete it (fixed at 1, megatron_rl.algo.calibration.LOWER_MAX)"),
+    "upper_min": (1.0, "delete it (fixed at 1, megatron_rl.algo.calibration.UPPER_MIN)"),
+    "max_samples_per_rank": (65536, "delete it (fixed at 65536, megatron_rl.algo.calibration.MAX_SAMPLES_PER_RANK)"),
+    "seed": (0, "delete it (fixed at 0, megatron_rl.algo.calibration.SEED)"),
+}
+"""Removed algo.calibration fields: a config that sets one is refused with its line here."""
+REMOVED_STRENGTHS = ("gated", "excess")
+"""Removed algo.calibration.strength values (refused, naming decision and full)."""
 
 
 class CalibrationConfig(StrictConfig):
-    """Calibrated Clipping (docs/CALIBRATED_CLIPPING.md): FP8 ratio bounds matched to high precision."""
+    """Calibrated Clipping (docs/calibration.md): FP8 ratio bounds or clip decisions matched to high precision."""
 
     enabled: bool = False
-    """Turn Calibrated Clipping on (off: bounds are 1 - eps_low and 1 + eps_high)."""
+    """Turn Calibrated Clipping on; off, the bounds are 1 - eps_low and 1 + eps_high."""
+    strength: Literal["full", "decision"] = "decision"
+    """full: the paper's solved bounds; decision: the bounds stay vanilla and every clip is decided on the high-precision ratio (high-precision forwards every step, docs/calibration.md)."""
     upper: Literal["match_contribution", "log_scale", "fixed"] = "match_contribution"
-    """Upper-bound rule: match_contribution (paper default), log_scale, or fixed (1 + eps_high)."""
+    """Upper-bound rule under strength=full: match_contribution (the paper), log_scale, or fixed (1 + eps_high)."""
     calibrate_every: PositiveInt = 5
-    """A calibration event every this many steps (>= 1): high-precision shadow forwards refresh the targets alpha and rho (paper: 20, at lr 1e-6 on 8B-32B models; the measured default 5 keeps the targets fresh where the policy moves faster, docs/RESULTS.md)."""
+    """A calibration event (high-precision shadow forwards refresh the targets alpha and rho) every this many steps, >= 1 (paper: 20)."""
     smoothing: float = Field(0.5, ge=0, lt=1, allow_inf_nan=False)
-    """EMA weight of the held bound, once per calibration event: new = smoothing * old + (1 - smoothing) * solved (per_step and per_minibatch pre-pass solves apply unsmoothed)."""
+    """EMA weight in [0, 1) of the held bound at each calibration event: new = smoothing * old + (1 - smoothing) * solved."""
     bounds_update: Literal["per_step", "per_calibration", "per_minibatch"] = "per_step"
-    """per_step: every step ends with a pooled solve over the FP8 ratios its off-policy updates' training forwards computed, at the targets held from the last calibration event, and the next step trains with it (no extra forward); per_calibration (paper): one pooled solve per calibration step, held until the next; per_minibatch: also re-solve before every off-policy mini-batch from a no-grad FP8 pre-pass."""
-    on_policy_bounds: Literal["held", "open"] = "open"
-    """Bounds of each step's first update (on-policy: its high-precision ratio is exactly 1, so high precision clips none of its tokens): open trains it at [lower_min, upper_max], clipping no more than the guard rails; held uses the calibrated bounds like every other update."""
+    """per_step: a pooled solve at the end of every step at the held targets; per_calibration (the paper): one per event; per_minibatch: also before every off-policy mini-batch, from an FP8 pre-pass."""
     relax_only: bool = True
     """Guard rail: calibration only relaxes the bounds (L <= 1 - eps_low, H >= 1 + eps_high); false allows tightening."""
-    target_source: Literal["shadow", "static"] = "shadow"
-    """shadow: alpha and rho from the high-precision shadow pass; static: alpha and rho from this config."""
-    static_alpha: Optional[UnitFloat] = None
-    """alpha (fraction of negative-advantage tokens below the lower bound) when target_source=static."""
-    static_rho: Optional[NonNegativeFloat] = None
-    """rho (positive/negative contribution ratio) when target_source=static."""
     shadow_fraction: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    """Fraction in (0, 1] of the rows off-policy updates train on that run the high-precision shadow forwards and give the targets (same seeded draw on every rank; per_calibration's solve also takes its FP8 ratios from them); 1 (the paper): an event of a small batch holds only a few shadow-clipped tokens, and half of them left the targets noisier (docs/RESULTS.md section 7); 0.5 halves the event's cost."""
+    """Fraction in (0, 1] of the off-policy rows that run the shadow forwards and give the targets (same seeded draw on every rank)."""
     backend: Literal["allgather", "histogram"] = "allgather"
-    """Distributed statistics backend: allgather (exact unless subsampled) or histogram (one all-reduce)."""
-    max_samples_per_rank: PositiveInt = 65536
-    """allgather: each rank contributes at most this many (ratio, advantage) pairs to a solve (uniform subsample beyond; the dumps then hold more than the solve saw)."""
+    """Distributed statistics: allgather (exact unless subsampled) or histogram (one all-reduce of hist_bins floats)."""
     hist_bins: int = Field(8192, ge=2)
-    """histogram: number of bins over log r (plus one underflow and one overflow bin)."""
-    hist_log_min: float = Field(-4.0, ge=-100, le=100, allow_inf_nan=False)
-    """histogram: lower edge of the binned log-ratio range."""
-    hist_log_max: float = Field(4.0, ge=-100, le=100, allow_inf_nan=False)
-    """histogram: upper edge of the binned log-ratio range."""
+    """histogram: number of bins (>= 2) over log r in [-4, 4], plus one underflow and one overflow bin."""
     lower_min: float = Field(0.05, gt=0, le=1, allow_inf_nan=False)
-    """Clamp: smallest allowed calibrated lower bound L."""
-    strength: Literal["excess", "full", "gated", "decision"] = "decision"
-    """decision (the default since 2026-12-05, session 42): the bounds stay 1 - eps_low, 1 + eps_high and every token's clip is decided on its high-precision ratio from the first step (as algo.policy_loss.clip_decision=high_precision decides it, paying high-precision forwards of pi_old and of every off-policy update's policy on every step); the calibration events measure the distortion (calib/gate_ratio) and the shadow's targets but move nothing. It clips what high precision clips (tracks its own shadow 1.00x and separate high-precision runs 0.99x FP8 tensorwise, 1.00x NVFP4) and was above vanilla at FP8's real error (+1.05 points, 24 seeds) and at 8x it (+6.5) on the 200-step deep miniature (docs/RESULTS.md sections 11-13); gated: the same decision (or the solved bounds, gate_opens_to) only once the run's low precision has clipped more than (1 + excess_tolerance) times what high precision clipped on the same shadow tokens, counted over every calibration event so far (and at least gate_min_tokens of them clipped by high precision), the vanilla bounds and the learner's decision before and whenever that no longer holds (vanilla bit for bit below the tolerance, so no forwards there, but no tracking either); full: the solved bounds as they are (the paper; tracks the shadow's clip fraction at any distortion); excess: the solved bounds are applied in proportion to the measured distortion, w = clamp(1 - (1 + excess_tolerance) * alpha_hp / alpha_lp, 0, 1) from each calibration event (alpha_lp: the fraction of negative tokens the low-precision ratios put below 1 - eps_low), log L = (1 - w) log(1 - eps_low) + w log L_solved, likewise H."""
-    gate_opens_to: Literal["solved_bounds", "high_precision_decision"] = "high_precision_decision"
-    """strength=gated: what an open gate changes. high_precision_decision (the default): the bounds stay vanilla and every token's clip is decided on its high-precision ratio (on the 200-step deep miniature at 8x FP8's error this recovered vanilla's whole loss against high precision, where moving the bounds recovered 12% of it; docs/RESULTS.md section 12); solved_bounds: the bounds move to the solve's (the paper's rule from then on). high_precision_decision: as algo.policy_loss.clip_decision=high_precision decides it, so the high-precision forwards of pi_old and of every update's policy (and a calibration event's shadow on every row, whatever shadow_fraction) are paid only on the steps that start with the gate open (docs/RESULTS.md section 12). Read only under strength=gated (the other rules have no gate)."""
-    lower_target: Literal["event_alpha", "deflated", "agreement"] = "event_alpha"
-    """What fraction of negative tokens a solve puts below L: event_alpha = the last calibration event's high-precision alpha, held until the next (the paper); deflated = the solved tokens' own low-precision fraction below 1 - eps_low times the pooled alpha_hp / alpha_lp of the recent events (the measured inflation of clipping by low precision, shrunk toward none by deflate_prior_tokens), so the bounds follow how far each step moved and move only as far as the distortion; agreement = the low-precision fraction below the candidate L whose clip decisions agree best, token by token, with the shadow's on the pooled events (F_beta of precision and recall, agreement_beta), so the bounds clip the tokens high precision clips rather than as many of them."""
-    agreement_beta: float = Field(1.0, gt=0, le=100, allow_inf_nan=False)
-    """lower_target=agreement: beta of the F_beta score (0-100]: > 1 weights recall (keep the trust region on tokens high precision clips), < 1 precision (spare the gradients of tokens only the noise pushed below 1 - eps_low)."""
-    agreement_points: int = Field(64, ge=2, le=4096)
-    """lower_target=agreement: candidate lower bounds scored per event, log-spaced from lower_min to 1 - eps_low (to lower_max without relax_only), 2-4096."""
-    deflate_prior_tokens: float = Field(4.0, ge=0, le=1e6, allow_inf_nan=False)
-    """lower_target=deflated: pseudo-tokens added to both the high- and the low-precision count below 1 - eps_low before their ratio is taken (>= 0): with a handful of shadow tokens the deflation stays near 1 (vanilla bounds) instead of following a count of 0."""
-    target_events: PositiveInt = 1
-    """The targets (alpha, rho) and strength=excess's w come from the pooled token counts of this many most recent calibration events (>= 1; 1: each event alone). One event of a small batch has a few dozen tokens below 1 - eps_low; pooling trades staleness for a steadier target."""
-    excess_tolerance: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
-    """strength=excess and gated: the excess clipping (alpha_lp / alpha_hp - 1) tolerated before the bounds move (0-100); 1.0 tolerates clipping up to 2x high precision, where the measured dose-response showed no harm from zeroed negative gradients (docs/RESULTS.md section 3)."""
-    gate_min_tokens: float = Field(30.0, ge=0, le=1e9, allow_inf_nan=False)
-    """strength=gated: the gate stays closed until the shadow's negative tokens below 1 - eps_low, counted over the run's calibration events, reach this many (>= 0): one event holds a handful, and a ratio of two handfuls would open the gate on noise."""
-    lower_floor: Literal["lowest_ratio", "lower_min"] = "lowest_ratio"
-    """When the target alpha lies below the solve's first negative token (alpha = 0: the shadow clipped nothing), lowest_ratio sets L to the lowest FP8 negative ratio solved on (clips none of them, keeps the trust region as tight as the data allow); lower_min lets the extrapolated quantile fall to lower_min (no lower trust region until the next solve)."""
-    lower_max: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    """Clamp: largest allowed calibrated lower bound L."""
-    upper_min: float = Field(1.0, ge=1, allow_inf_nan=False)
-    """Clamp: smallest allowed calibrated upper bound H."""
+    """Clamp in (0, 1]: smallest allowed calibrated lower bound L."""
     upper_max: float = Field(10.0, ge=1, allow_inf_nan=False)
-    """Clamp: largest allowed calibrated upper bound H."""
-    seed: Seed = 0
-    """Seed of the shadow_fraction draws and of the allgather subsampling."""
+    """Clamp (>= 1): largest allowed calibrated upper bound H."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: object) -> object:
+        if isinstance(data, dict):
+            gone = [k for k in data if k in REMOVED_CALIBRATION_FIELDS]
+            if gone:
+                raise ValueError("; ".join(f"algo.calibration.{k} was removed: {REMOVED_CALIBRATION_FIELDS[k][1]}"
+                                           for k in gone))
+        return data
+
+    @field_validator("strength", mode="before")
+    @classmethod
+    def _removed_strengths(cls, value: object) -> object:
+        if value in REMOVED_STRENGTHS:
+            raise ValueError(f"algo.calibration.strength={value} was removed: set algo.calibration.strength to "
+                             "decision (the default) or full")
+        return value
 
     @field_validator("bounds_update", mode="before")
     @classmethod
@@ -128,29 +135,6 @@ class CalibrationConfig(StrictConfig):
                              "tokens); use per_minibatch (a pooled solve before every off-policy mini-batch) or "
                              "per_calibration (the paper's default)")
         return value
-
-    @model_validator(mode="after")
-    def _validate(self) -> "CalibrationConfig":
-        p = "algo.calibration."
-        _check(self.calibrate_every >= 1, f"{p}calibrate_every must be >= 1, got {self.calibrate_every}")
-        _check(0 <= self.smoothing < 1, f"{p}smoothing must be in [0, 1), got {self.smoothing}")
-        _check(0 < self.shadow_fraction <= 1, f"{p}shadow_fraction must be in (0, 1], got {self.shadow_fraction}")
-        _check(self.max_samples_per_rank >= 1, f"{p}max_samples_per_rank must be >= 1, got {self.max_samples_per_rank}")
-        _check(self.hist_bins >= 2, f"{p}hist_bins must be >= 2, got {self.hist_bins}")
-        _check(self.hist_log_min < self.hist_log_max, f"{p}hist_log_min must be < {p}hist_log_max")
-        _check(0 < self.lower_min <= self.lower_max, f"{p}lower_min/lower_max need 0 < lower_min <= lower_max")
-        _check(self.lower_max <= 1.0, f"{p}lower_max must be <= 1, got {self.lower_max}")
-        _check(1.0 <= self.upper_min <= self.upper_max, f"{p}upper_min/upper_max need 1 <= upper_min <= upper_max")
-        if self.target_source == "static":
-            _check(
-                self.static_alpha is not None and 0 <= self.static_alpha <= 1,
-                f"{p}static_alpha must be set in [0, 1] when {p}target_source=static",
-            )
-            _check(
-                self.static_rho is not None and self.static_rho >= 0,
-                f"{p}static_rho must be set and >= 0 when {p}target_source=static",
-            )
-        return self
 
 
 class RolloutCorrectionConfig(StrictConfig):
@@ -228,10 +212,9 @@ class AlgoConfig(StrictConfig):
     """Those histograms cover log r in [-range, range] (> 0; plus under/overflow)."""
 
     def every_step_decision_scale(self, recipe: str) -> float:
-        """k of the PPO clip decision on every step, fixed by the config whatever the calibration's state: 0 (the
-        high-precision ratio) under policy_loss.clip_decision=high_precision or calibration strength=decision, the
-        instrument's k otherwise, 1 (the learner's own ratio) under precision.recipe=none. What the loop's
-        phases.error_scale.decision_scale gives at a closed gate; the planner and the study reports read it."""
+        """k of the PPO clip decision on every step: 0 (the high-precision ratio) under
+        policy_loss.clip_decision=high_precision or calibration strength=decision, the instrument's k otherwise, 1 (the
+        learner's own ratio) under precision.recipe=none. The planner and the study reports read it."""
         if recipe == "none":
             return 1.0
         if self.policy_loss.clip_decision == "high_precision" or (self.calibration.enabled

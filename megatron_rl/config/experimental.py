@@ -14,7 +14,7 @@ class ExperimentalConfig(StrictConfig):
     """Experiment-only instruments (off by default; never in a shipped training config)."""
 
     clip_error_scale: float = Field(1.0, ge=0, le=64, allow_inf_nan=False)
-    """EXPERIMENT ONLY, refused in shipped configs (issue 18's dose-response): the PPO clip decision uses r_k = r_hp * (r_lp / r_hp)^k, the low-precision ratio error multiplied by k in log space, while unclipped tokens keep the low-precision gradient; k != 1 runs high-precision shadow forwards every step and update (cost); 1 = off, 0 = decide on the high-precision ratio."""
+    """Experiment only, in [0, 64]: the PPO clip is decided on r_k = r_hp * (r_lp / r_hp)^k, the ratio error scaled by k, gradients stay low-precision. 1 = off, 0 = the high-precision ratio; k != 1 costs high-precision forwards every update."""
 
     def problems(self, recipe: str, policy_loss: str, calibration_enabled: bool, shadow_fraction: float,
                  bounds_update: str) -> list[str]:

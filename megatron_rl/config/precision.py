@@ -45,6 +45,8 @@ class PrecisionConfig(StrictConfig):
     """recalibrate: scale = headroom (>= 1) x amax / 448: the margin between the measured amax and FP8 overflow (SGLang does not clamp: overflow is NaN)."""
     kv_cache_scale_rounding: Literal["power_of_two", "none"] = "power_of_two"
     """recalibrate: power_of_two rounds each scale up to a power of two (then the cache rounds exactly as at scale 1.0 wherever 1.0 neither overflows nor underflows), none keeps headroom x amax / 448; precision/kv_scales.py."""
+    ratio_consistent_scales: bool = False
+    """Within an RL step, FP8 forwards of theta reuse the per-tensor scales pi_old's forward computed on the same micro-batch (weights and activations), so unmoved elements round alike; no extra forward; tensorwise, CPU emulation (precision/scale_book.py)."""
     fp4_hadamard_wgrad: bool = True
     """FP4 recipes: apply the 16x16 random-sign Hadamard transform to both wgrad operands along tokens before quantizing (TE NVFP4BlockScaling's default)."""
     fp4_stochastic_rounding: bool = True
@@ -68,6 +70,9 @@ class PrecisionConfig(StrictConfig):
                              "precision.rollout_quantization=fp8-channel: SGLang's w8a8_fp8 quant method creates no "
                              "K/V cache scales (W8A8Fp8Config.get_quant_method), so engines would serve 1.0; use "
                              "fp8-blockwise or none, or kv_cache_scales=unit")
+        if self.ratio_consistent_scales and self.recipe != "tensorwise":
+            raise ValueError("precision.ratio_consistent_scales is implemented for precision.recipe=tensorwise only "
+                             f"(got {self.recipe!r}): per-block and delayed scales are not recorded")
         if self.fp8_params and self.recipe == "mxfp4":
             raise ValueError("precision.fp8_params is not available with recipe=mxfp4 (megatron-core has no MXFP4 parameters)")
         return self

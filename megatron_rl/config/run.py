@@ -127,11 +127,8 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
         if c.strength == "decision":
             out.append(f"algo.calibration.strength=decision decides the PPO clip on high-precision ratios; "
                        f"algo.policy_loss.name={a.policy_loss.name} has no clip decision (ppo or dual_clip): set "
-                       "algo.calibration.strength to full, excess or gated (with gate_opens_to=solved_bounds)")
-        elif c.strength == "gated" and c.gate_opens_to == "high_precision_decision":
-            out.append(f"algo.calibration.gate_opens_to=high_precision_decision changes the PPO clip decision once the "
-                       f"gate opens; algo.policy_loss.name={a.policy_loss.name} has none (ppo or dual_clip): set "
-                       "algo.calibration.gate_opens_to=solved_bounds")
+                       "algo.calibration.strength to full")
+    out += fp8_params_errors(cfg)
     out += a.experimental.problems(cfg.precision.recipe, a.policy_loss.name, a.calibration.enabled,
                                    a.calibration.shadow_fraction, a.calibration.bounds_update)
     if layout:
@@ -140,6 +137,24 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
     if t.health.max_kl_ref is not None and cfg.algo.kl.coef == 0:
         out.append("train.health.max_kl_ref needs the reference policy: set algo.kl.coef > 0 or unset train.health.max_kl_ref")
     return out
+
+
+def fp8_params_errors(cfg: RunConfig) -> list[str]:
+    """precision.fp8_params=true beside a setting that needs high-precision forwards of the learner (one error each)."""
+    if not cfg.precision.fp8_params:
+        return []
+    a = cfg.algo
+    # With FP8 parameters the weights themselves are quantized: TE's cast_if_needed leaves a quantized weight as
+    # it is, so a forward with FP8 autocast off still multiplies FP8 weights (or fails): it is no high-precision forward.
+    needs = [(a.calibration.enabled, "algo.calibration.enabled=true", "set algo.calibration.enabled=false"),
+             (a.policy_loss.clip_decision == "high_precision", "algo.policy_loss.clip_decision=high_precision",
+              "set algo.policy_loss.clip_decision=learner"),
+             (a.experimental.clip_error_scale != 1.0,
+              f"algo.experimental.clip_error_scale={a.experimental.clip_error_scale:g}",
+              "set algo.experimental.clip_error_scale=1")]
+    return [f"precision.fp8_params=true stores the learner's weights in FP8, so the high-precision forwards that {field} "
+            f"runs would multiply FP8 weights (TE's cast_if_needed leaves a quantized weight as it is): set "
+            f"precision.fp8_params=false or {fix}" for on, field, fix in needs if on]
 
 
 def sglang_drops_kv_scales(cfg: RunConfig) -> bool:

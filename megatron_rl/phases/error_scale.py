@@ -1,8 +1,7 @@
 """A clip decision on high-precision ratios inside a step: the dose-response instrument (experiment only:
 algo.experimental.clip_error_scale = k != 1) and its k = 0: the supported algo.policy_loss.clip_decision=high_precision
-and algo.calibration.strength=decision (every step), and algo.calibration.gate_opens_to=high_precision_decision (the
-steps that start with the calibration gate open). `gate_open` reads the calibration's choice once at the start of a
-step from the clipper's state, so every rank and a resumed run agree.
+and algo.calibration.strength=decision (every step). `gate_open` reads the calibration's choice once at the start of
+a step from the clipper, so every rank and a resumed run agree.
 
 The clip decision of every training token uses r_k = r_hp * (r_lp / r_hp)^k (algo/error_scale.py), so
 every token needs its high-precision ratio: pi_old_hp of the step batch's off-policy rows after the log-probs phase
@@ -29,8 +28,8 @@ from megatron_rl.types import TrainBatch
 
 
 def gate_open(clipper, recipe: str) -> bool:
-    """Whether calibration decides this step's clip on high-precision ratios (algo.calibration.strength=decision, or an
-    open gate with gate_opens_to=high_precision_decision); read once at the start of a step. Never under
+    """Whether calibration decides this step's clip on high-precision ratios (algo.calibration.strength=decision);
+    read once at the start of a step. Never under
     precision.recipe=none, whose own ratios are already the high-precision ones (the forwards would change nothing)."""
     return clipper is not None and recipe != "none" and clipper.decides_on_high_precision()
 
@@ -90,7 +89,7 @@ def clip_decision(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig,
         return None, {}
     if mb.logprobs_hp is None or mb.old_logprobs_hp is None:
         raise ValueError("a high-precision clip decision (algo.policy_loss.clip_decision, algo.calibration.strength="
-                         "decision, an open gate_opens_to=high_precision_decision gate or algo.experimental."
+                         "decision or algo.experimental."
                          "clip_error_scale) needs logprobs_hp and old_logprobs_hp in every micro-batch")
     clamp = algo.policy_loss.log_ratio_clamp
     lp_hp, old_hp = mb.logprobs_hp.to(logprobs.device), mb.old_logprobs_hp.to(logprobs.device)

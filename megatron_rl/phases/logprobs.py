@@ -17,6 +17,7 @@ from megatron_rl.parallel import state
 from megatron_rl.parallel.comm import all_gather_dp_rows
 from megatron_rl.phases.batching import dp_shard
 from megatron_rl.precision import high_precision
+from megatron_rl.precision.scale_book import book_of
 from megatron_rl.types import TrainBatch
 
 
@@ -38,7 +39,7 @@ class ReferencePolicy:
     def logprobs(self, learner, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
         """Reference log-probs: swap the snapshot in, forward, swap the live weights back bit-exactly."""
         live = {name: p.detach().clone() for name, p in _local_parameters(learner)}
-        with torch.no_grad():
+        with torch.no_grad(), book_of(learner).paused():  # other weights: never pi_old's scales
             for name, p in _local_parameters(learner):
                 p.copy_(self.params[name])
             try:
@@ -99,10 +100,16 @@ def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, plan: Opt
     exactly 1 and later updates only the noise of the weights' change, not of a new batch composition.
 
     With `probe_rows`, also the mean entropy of pi_old on the first `probe_rows` rows (health/probe_entropy_before):
-    the health probe's tokens before the step's updates. With `kv_cache` (phases/kv_cache.py KvCacheScales) the pi_old
+    the health probe's tokens before the step's updates. The forward fills learner.scale_book (consistent scales).
+    With `kv_cache` (phases/kv_cache.py KvCacheScales) the pi_old
     forward also measures the FP8 KV cache's per-layer K/V amax over the rollout batch (kv_cache/* metrics).
     """
-    with kv_cache.measuring() if kv_cache is not None else nullcontext():
+    # precision.ratio_consistent_scales: the step's later FP8 forwards of these micro-batches reuse the scales recorded here
+    book = book_of(learner)
+    if row_groups is None and book.enabled:
+        raise ValueError("precision.ratio_consistent_scales needs train.old_logprob_batches=update (pi_old forwarded in the "
+                         "micro-batches the updates train on: scales are recorded per micro-batch)")
+    with kv_cache.measuring() if kv_cache is not None else nullcontext(), book.recording():
         lp, ent = _global_forward(learner, batch, micro_batch_size, row_groups)
     changes = {"old_logprobs": lp}
     mask = batch.loss_mask > 0

@@ -66,7 +66,7 @@ class RLLoss:
                  tap: Optional[CalibrationTap] = None, off_policy: bool = False, gate_open: bool = False) -> None:
         """Clip at `bounds` (default 1 -/+ eps); with `tap`, add each micro-batch's calibration tokens to tap.stats;
         `off_policy` updates also report their clip fractions under offpolicy/ (what a calibration solve targets);
-        `gate_open`: an open high_precision_decision gate decides the clip on high-precision ratios this step."""
+        `gate_open`: calibration (strength=decision) decides the clip on high-precision ratios this step."""
         self.algo = algo
         self.gate_open = gate_open
         self.bounds = bounds

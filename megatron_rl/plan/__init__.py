@@ -247,8 +247,10 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     if calib.enabled:
         tokens_per_rank = int(samples * seq_len / t.num_minibatches / (dp * lay.cp))
         off_policy = t.num_minibatches * t.ppo_epochs - 1
-        kw = dict(world_size=dp * lay.cp, max_samples_per_rank=calib.max_samples_per_rank, hist_bins=calib.hist_bins,
-                  hist_log_min=calib.hist_log_min, hist_log_max=calib.hist_log_max)
+        from megatron_rl.algo.calibration import HIST_LOG_MAX, HIST_LOG_MIN, MAX_SAMPLES_PER_RANK
+
+        kw = dict(world_size=dp * lay.cp, max_samples_per_rank=MAX_SAMPLES_PER_RANK, hist_bins=calib.hist_bins,
+                  hist_log_min=HIST_LOG_MIN, hist_log_max=HIST_LOG_MAX)
         # an event: the targets' reduce + one solve over the step's off-policy tokens; per_step repeats that solve on
         # every step; per_minibatch adds a pre-pass solve per off-policy mini-batch on every step
         event = throughput.calibration_step_bytes(calib.backend, tokens_per_rank=tokens_per_rank * off_policy, solves=1, **kw)
@@ -264,7 +266,7 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     tokens = samples * (opt.prompt_tokens + mean_response)
     context = (opt.prompt_tokens + mean_response) / 2
     flops = throughput.learner_flops(arch, tokens, context, ppo_epochs=t.ppo_epochs, kl=cfg.algo.kl.coef > 0,
-                                     calibrating=calib.enabled and calib.target_source == "shadow",
+                                     calibrating=calib.enabled,
                                      calibrate_every=calib.calibrate_every, shadow_fraction=calib.shadow_fraction,
                                      num_minibatches=t.num_minibatches,
                                      decides_every_step=cfg.algo.every_step_decision_scale(prec.recipe) != 1.0)

@@ -117,6 +117,9 @@ def learner_device_errors(precision, facts: DeviceFacts) -> list[str]:
     """Why the learner cannot run `precision` on the device `facts` describes ([] when it can; CPU emulates every recipe)."""
     if not facts.cuda or precision.recipe == "none":
         return []
+    if getattr(precision, "ratio_consistent_scales", False):
+        return ["precision.ratio_consistent_scales is implemented in the CPU emulation only (precision/scale_book.py; "
+                "docs/studies/consistent_scales/TE_NOTE.md says which Transformer Engine mechanism would carry it)"]
     if not facts.te:
         why = f" ({facts.te_error})" if facts.te_error else ""
         return [f"precision.recipe={precision.recipe} runs through Transformer Engine on GPU, which does not import "

@@ -49,6 +49,8 @@ class ModuleQuantizer:
         self.delayed: dict[str, nx.DelayedScaler] = {}
         self.amax_group = None
         """Delayed scaling: process group whose ranks share one scale per role (TE's reduce_amax), or None."""
+        self.scale_book = None
+        """precision/scale_book.py ScaleBook (ratio_consistent_scales, tensorwise): pi_old's amaxes to reuse, or None."""
         if self.recipe == "delayed":
             for role, fmt in (("input", self.fwd_fmt), ("weight", self.fwd_fmt), ("grad", self.grad_fmt)):
                 self.delayed[role] = nx.DelayedScaler(fmt, cfg.amax_history_len, cfg.amax_compute_algo, cfg.margin)
@@ -61,6 +63,8 @@ class ModuleQuantizer:
                 amax = local.reshape(1).clone()
                 torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_group)
             return self.delayed[role].fake_quantize(x, update=update, amax=amax)
+        if self.scale_book is not None:
+            amax = self.scale_book.amax(id(self), role, x, amax)
         return nx.fake_quantize_current(x, fmt, amax=amax)
 
     def _blocks(self, x: torch.Tensor, block: Block, fmt: nx.Fp8Format) -> torch.Tensor:

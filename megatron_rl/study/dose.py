@@ -3,7 +3,7 @@
     python tools/dose_response.py examples/studies/deep_addtrace_dose.yaml   # -> <report_dir>/DOSE.md, dose.png
 
 Each arm's k is its `algo.experimental.clip_error_scale` override (1 without one), and its variant is `vanilla`, or
-`calibrated` when it sets `algo.calibration.enabled: true` (`calibrated, strength=full`, `calibrated, target_events=4`
+`calibrated` when it sets `algo.calibration.enabled: true` (`calibrated, strength=full`, `calibrated, upper=fixed`
 and the like when it also overrides other `algo.calibration.*` settings, shadow_fraction where it is not the default);
 arms with a recipe of none are the high-precision reference. For every
 (k, variant) pair the table gives mean [min, max] over finished seeds of the metrics below (definitions:

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import yaml
 
+from megatron_rl.config.algo import REMOVED_CALIBRATION_FIELDS
 from megatron_rl.config.run import config_record
 from megatron_rl.cpu_kernels import kernel_path_env, pinned_env
 from megatron_rl.study import results
@@ -119,23 +120,32 @@ def check_existing_runs(study: Study, warm: list[str]) -> None:
 
 _ABSENT = object()
 
-BEHAVIOUR_BEFORE_FIELD = {"train.old_logprob_batches": "rollout", "algo.calibration.gate_opens_to": "solved_bounds"}
+BEHAVIOUR_BEFORE_FIELD = {"train.old_logprob_batches": "rollout"}
 """Fields added with a default that changes what a run does: a record made before the field existed ran with this value."""
+
+
+def _removed_calibration_fields(old: dict) -> set[str]:
+    """Removed algo.calibration fields of a record that change nothing the code now does: set to the behaviour it
+    keeps, read only by a removed rule (which the record's strength or lower_target shows), or the removed seed where
+    it drew nothing (shadow_fraction 1)."""
+    same = set()
+    for k, (kept, _) in REMOVED_CALIBRATION_FIELDS.items():
+        if k in old and (kept is None or old[k] == kept or (k == "seed" and old.get("shadow_fraction", 1.0) == 1.0)):
+            same.add(k)
+    return same
 
 
 def _diff(old, new, prefix: str = "", before_field: Optional[dict] = None) -> list[str]:
     """Dotted keys whose values differ between a recorded config and the one a spec implies now, except what cannot
     change a run: fields the record lacks (added to the code since, with defaults that keep the old behaviour, as the
     project's configs do; those whose default does not keep it are in BEHAVIOUR_BEFORE_FIELD), algo.calibration.*
-    while calibration is off in both (no part of it is read then) and algo.calibration.gate_opens_to while neither
-    calibrates with strength=gated. So runs made before such an addition, or before a
+    while calibration is off in both (no part of it is read then) and removed algo.calibration fields that change
+    nothing now (`_removed_calibration_fields`). So runs made before such an addition, or before a
     change of calibration defaults, are reused, not refused."""
     if isinstance(old, dict) and isinstance(new, dict):
         if prefix == "algo.calibration." and old.get("enabled") is False and new.get("enabled") is False:
             return []
-        ignored = set()
-        if prefix == "algo.calibration." and old.get("strength") != "gated" and new.get("strength") != "gated":
-            ignored.add("gate_opens_to")  # what an open gate does, read by no other strength rule
+        ignored = _removed_calibration_fields(old) - set(new) if prefix == "algo.calibration." else set()
         out = []
         for k in sorted((set(old) | set(new)) - ignored, key=str):
             if k not in old:

@@ -80,7 +80,7 @@ class StudySpec(StrictConfig):
     """RL steps of every run (train.steps)."""
     seeds: list[int] = [1]
     """Seeds; each run of an arm sets every field of seed_fields to one of them."""
-    seed_fields: list[str] = ["train.seed", "rollout.seed", "algo.calibration.seed", "precision.fp4_seed"]
+    seed_fields: list[str] = ["train.seed", "rollout.seed", "precision.fp4_seed"]
     """Config fields a seed sets (the warm start keeps the base config's seeds)."""
     overrides: dict[str, Any] = {}
     """Dotted overrides shared by the warm start and every arm (model, data and SFT changes go here)."""

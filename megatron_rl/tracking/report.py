@@ -146,7 +146,6 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
          f"{fmt(mean_of(rows, 'clipfrac_lower_neg'))} / {fmt(mean_of(rows, 'clipfrac_upper_pos'))} / {fmt(mean_of(rows, 'clipfrac'))}"),
         ("high-precision shadow clipfrac_lower_neg (mean)", fmt(mean_of(rows, "hp/clipfrac_lower_neg"))),
         ("calibrated L / H (final)", final_pair("calib/lower", "calib/upper")),
-        ("calibration strength w (mean; 0 = vanilla bounds, 1 = the solved ones)", fmt(mean_of(rows, "calib/strength"))),
         ("alpha target / achieved (final)", final_pair("calib/alpha_target", "calib/alpha_achieved")),
         ("rho target / achieved (final)", final_pair("calib/rho_target", "calib/rho_achieved")),
         ("ratio quantiles A<0 (0.1% 1% 50% 99% 99.9%)", quantiles("neg")),
@@ -163,16 +162,15 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
     if any("malformed/train" in r for r in rows):  # tasks with an answer format (data/tasks.py)
         out.insert(6, ("malformed answers, train (mean of first 20% -> mean of last 20% of steps)",
                        f"{fmt(mean_of(head, 'malformed/train'))} -> {fmt(mean_of(tail, 'malformed/train'))}"))
-    if any("calib/gate_ratio" in r for r in rows):  # strength=gated and decision: the distortion the shadow measured
+    if any("calib/gate_ratio" in r for r in rows):  # strength=decision: the distortion the shadow measured
         ratio, tokens = final_value(rows, "calib/gate_ratio"), final_value(rows, "calib/gate_hp_tokens")
-        at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibration strength")) + 1
+        at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibrated L / H")) + 1
         out.insert(at, ("distortion: low/high-precision clip fraction below 1 - eps_low on the shadow's tokens, pooled (final)",
-                        f"{fmt(ratio)}x on {fmt(tokens)} shadow-clipped tokens (strength=gated's gate opens above 1 + "
-                        "excess_tolerance, default 2x, on >= gate_min_tokens)"))
+                        f"{fmt(ratio)}x on {fmt(tokens)} shadow-clipped tokens"))
     decided = [r for r in rows if isinstance(r.get("calib/hp_decision"), (int, float))]
-    if decided:  # strength=decision (every step) or an open high_precision_decision gate
+    if decided:  # strength=decision
         on = [int(r["step"]) for r in decided if r["calib/hp_decision"] == 1.0]
-        at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibration strength")) + 1
+        at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibrated L / H")) + 1
         out.insert(at, ("clip decided on high-precision ratios (vanilla bounds)",
                         f"{len(on)} of {len(decided)} steps" + (f", first at step {on[0]}" if on else "")))
     if plots:

@@ -26,6 +26,7 @@ from megatron_rl.config.precision import PrecisionConfig
 from megatron_rl.parallel import state
 from megatron_rl.precision import fp8_forward_context
 from megatron_rl.precision.device import DeviceFacts, detect_device_facts, learner_device_errors
+from megatron_rl.precision.scale_book import ScaleBook, attach as scale_book_attach, micro_batch_key
 from megatron_rl.models.presets import Architecture, megatron_param_shapes, resolve_architecture
 from megatron_rl.trainer.logprobs import gather_cp_sequence, vocab_parallel_label_is_argmax, vocab_parallel_logprobs_entropy
 from megatron_rl.trainer.model import build_model_chunks, build_transformer_config, learner_kernels, unwrap, wrap_ddp
@@ -125,6 +126,10 @@ class Learner:
         torch.manual_seed(seed)
         chunks = build_model_chunks(self.arch, self.config, precision_cfg, use_te=self.kernels.te_spec)
         self.model = wrap_ddp(chunks, self.config, parallel_cfg, self.kernels)
+        self.scale_book = ScaleBook()
+        """pi_old's FP8 amaxes for theta's forwards (precision.ratio_consistent_scales; attached to no linear when off)."""
+        if precision_cfg.ratio_consistent_scales:
+            scale_book_attach((m for chunk in self.model for m in chunk.modules()), self.scale_book)
         self._params_pending = False  # the optimizer stepped and the parameter all-gather was left to a forward
         self.kv_probe = None
         """trainer/kv_scales.py KvAmaxProbe hooked into the core attention modules (None: no K/V amax is measured)."""
@@ -219,7 +224,7 @@ class Learner:
                 from megatron_rl.trainer.kv_scales import cached_positions
 
                 self.kv_probe.set_positions(to_cp_layout(cached_positions(mb.loss_mask), cp, cp_rank))
-            with fp8_forward_context(self.precision_cfg, self.config):
+            with fp8_forward_context(self.precision_cfg, self.config), self.scale_book.micro_batch(micro_batch_key(mb)):
                 output = model(ids, pos, None)
             return output, lambda logits: loss_builder(logits, index, n_mb, mb)
 

@@ -176,7 +176,7 @@ def test_calibrated_bounds_zero_gradient_exactly_for_clipped(seed, alpha):
 
 def _cfg(**kw):
     kw.setdefault("relax_only", False)
-    return CalibrationConfig(enabled=True, strength="full", lower_target="event_alpha", lower_min=1e-3, upper_max=100.0, **kw)
+    return CalibrationConfig(enabled=True, strength="full", lower_min=1e-3, upper_max=100.0, **kw)
 
 
 def _event(c: CalibratedClipper, r8, a, r_hp=None, parts: int = 1):
@@ -216,8 +216,8 @@ def test_clipper_ema_once_per_solve_and_unsmoothed_solve():
     a = torch.randn(1000, generator=g)
     r1 = torch.exp(torch.randn(1000, generator=g) * 0.2)
     r2 = torch.exp(torch.randn(1000, generator=g) * 0.4)
-    c = CalibratedClipper(_cfg(target_source="static", static_alpha=0.05, static_rho=1.0, smoothing=0.5), eps_low=0.2, eps_high=0.28)
-    t = CalibrationTargets.of(0.05, 1.0)
+    c = CalibratedClipper(_cfg(smoothing=0.5), eps_low=0.2, eps_high=0.28)
+    t = c.targets = CalibrationTargets.of(0.05, 1.0)  # held targets, as between calibration events
     kw = dict(eps_low=0.2, eps_high=0.28, lower_min=1e-3, upper_max=100.0)
     b1 = [float(x) for x in calibrate_bounds(r1, a, t, **kw)]
     b2 = [float(x) for x in calibrate_bounds(r2, a, t, previous=tuple(b1), **kw)]
@@ -312,17 +312,13 @@ def test_plan_decides_events_off_policy_updates_and_rows():
     assert [ps[1].collects(e, k) for e, k in updates] == [False] + [True] * 5
     assert ps[0].shadow and not ps[1].shadow and not any(ps[1].shadow_forward(e, k) for e, k in updates)
     assert (ps[1].smooth, ps[1].quantile) == (False, "next_tokens")
-    # on_policy_bounds: open (default) frees the first update only; held keeps it at the calibrated bounds
+    # the first update only trains at the clipper's on-policy bounds
     assert [ps[1].open_bounds(e, k) for e, k in updates] == [True] + [False] * 5
     assert [p0.open_bounds(e, k) for e, k in updates] == [True] + [False] * 5  # in every bounds_update mode
-    held = CalibrationPlan.build(1, _cfg(calibrate_every=4, on_policy_bounds="held"), train, 24)
-    assert not any(held.open_bounds(e, k) for e, k in updates)
     index = torch.tensor([3, 7])
     assert ps[1].fp8_row_mask(index, 2).tolist() == [True, True]  # per_step: every row feeds the FP8 statistics
     pm = CalibrationPlan.build(1, _cfg(calibrate_every=4, bounds_update="per_minibatch"), train, 24)
     assert [pm.prepass(e, k) for e, k in updates] == [False] + [True] * 5 and not pm.event
-    static = CalibrationPlan.build(0, _cfg(target_source="static", static_alpha=0.1, static_rho=1.0, shadow_fraction=0.5), train, 24)
-    assert static.event and not static.shadow and static.all_rows  # no shadow pass: every row feeds the solve
     assert not CalibrationPlan.build(0, CalibrationConfig(), train, 24).event
     assert not CalibrationPlan.build(0, CalibrationConfig(), train, 24).solves  # calibration off: nothing at all
 
@@ -332,17 +328,16 @@ def test_shadow_rows_are_a_seeded_rank_independent_draw():
     from megatron_rl.config.train import TrainConfig
 
     train = TrainConfig(num_minibatches=2)
-    plans = [CalibrationPlan.build(s, _cfg(shadow_fraction=0.25, seed=7, calibrate_every=1), train, 64) for s in range(4)]
-    again = [CalibrationPlan.build(s, _cfg(shadow_fraction=0.25, seed=7, calibrate_every=1), train, 64) for s in range(4)]
+    plans = [CalibrationPlan.build(s, _cfg(shadow_fraction=0.25, calibrate_every=1), train, 64) for s in range(4)]
+    again = [CalibrationPlan.build(s, _cfg(shadow_fraction=0.25, calibrate_every=1), train, 64) for s in range(4)]
     assert plans == again  # what every rank computes
     assert all(len(p.shadow_rows) == 16 and not p.all_rows for p in plans)
     assert len({p.shadow_rows for p in plans}) == 4  # a fresh draw every step
-    assert CalibrationPlan.build(0, _cfg(shadow_fraction=0.25, seed=8, calibrate_every=1), train, 64).shadow_rows != plans[0].shadow_rows
     index = torch.tensor([5, plans[0].shadow_rows[0], 63])
     assert plans[0].row_mask(index, 3).tolist() == [5 in plans[0].shadow_rows, True, 63 in plans[0].shadow_rows]
     assert len(CalibrationPlan.build(0, _cfg(shadow_fraction=0.01), train, 8).shadow_rows) == 1  # never empty
-    # a step an open high_precision_decision gate decides: the shadow takes every candidate row (on-policy-only skipped)
-    whole = CalibrationPlan.build(0, _cfg(shadow_fraction=0.25, seed=7, calibrate_every=1), train, 64,
+    # a step decided on high-precision ratios: the shadow takes every candidate row (on-policy-only skipped)
+    whole = CalibrationPlan.build(0, _cfg(shadow_fraction=0.25, calibrate_every=1), train, 64,
                                   skip_rows=(0, 1), whole_shadow=True)
     assert whole.shadow_rows == tuple(range(2, 64))
     with pytest.raises(ValueError, match="sample_index"):
@@ -352,13 +347,11 @@ def test_shadow_rows_are_a_seeded_rank_independent_draw():
 def test_config_errors_name_fields():
     with pytest.raises(ValueError, match=r"algo\.calibration\.bounds_update=per_microbatch was removed.*per_minibatch"):
         CalibrationConfig(bounds_update="per_microbatch")
-    with pytest.raises(ValueError, match="algo.calibration.static_alpha"):
-        CalibrationConfig(target_source="static")
     from megatron_rl.config import RunConfig
 
     # single-field ranges are declared on the fields: pydantic names them by their path from the RunConfig
-    with pytest.raises(ValueError, match="algo.calibration.upper_min"):
-        RunConfig.model_validate({"algo": {"calibration": {"upper_min": 0.5}}})
+    with pytest.raises(ValueError, match="algo.calibration.upper_max"):
+        RunConfig.model_validate({"algo": {"calibration": {"upper_max": 0.5}}})
     with pytest.raises(ValueError, match="algo.calibration.smoothing"):
         RunConfig.model_validate({"algo": {"calibration": {"smoothing": 1.0}}})
 
@@ -377,8 +370,7 @@ def test_make_clipper_and_histogram_backend():
     from megatron_rl.config.algo import AlgoConfig
 
     assert make_clipper(AlgoConfig()) is None
-    cfg = AlgoConfig.model_validate({"policy_loss": {"eps_high": 0.28}, "calibration": {"enabled": True, "backend": "histogram", "smoothing": 0.0,
-                                                                                             "lower_target": "event_alpha"}})
+    cfg = AlgoConfig.model_validate({"policy_loss": {"eps_high": 0.28}, "calibration": {"enabled": True, "backend": "histogram", "smoothing": 0.0}})
     c = make_clipper(cfg)
     assert c.cfg.relax_only  # the default guard rail
     g = torch.Generator().manual_seed(2)

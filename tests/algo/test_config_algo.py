@@ -47,7 +47,7 @@ def test_config_choices_are_registered(model, field, registry):
         ({"policy_loss": {"agg_mode": "seq-mean-token-sum-norm", "max_response_length": 0}}, "algo.policy_loss.max_response_length"),
         ({"dapo": {"max_gen_batches": -1}}, "algo.dapo.max_gen_batches"),
         ({"policy_loss": {"dual_clip_c": 1.0}}, "algo.policy_loss.dual_clip_c"),
-        ({"calibration": {"lower_min": 0.9, "lower_max": 0.5}}, "algo.calibration.lower_min"),
+        ({"calibration": {"lower_min": 1.5}}, "algo.calibration.lower_min"),
         ({"calibration": {"calibrate_every": 0}}, "algo.calibration.calibrate_every"),
         ({"rollout_correction": {"mis_low": 3.0}}, "algo.rollout_correction.mis_low"),
         ({"dapo": {"overlong_buffer": 10, "max_response_length": 5}}, "algo.dapo.max_response_length"),
@@ -82,3 +82,34 @@ def test_calibration_config_errors_at_load_time(overrides, needles):
     # one off-policy update is enough, and calibration off needs none
     load_config(None, ["algo.calibration.enabled=true", "train.num_minibatches=1", "train.ppo_epochs=2"])
     load_config(None, ["train.num_minibatches=1"])
+
+
+def test_calibration_is_twelve_fields_each_with_a_short_docstring():
+    assert len(CalibrationConfig.model_fields) == 12
+    for name, f in CalibrationConfig.model_fields.items():
+        assert len(f.description) <= 300 and f.description.count(". ") <= 1, name
+
+
+@pytest.mark.parametrize("field", ["gate_opens_to", "lower_target", "target_events", "on_policy_bounds", "hist_log_min",
+                                   "seed", "static_alpha"])
+def test_a_removed_calibration_field_is_refused_with_its_dotted_name(field, tmp_path):
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config.algo import REMOVED_CALIBRATION_FIELDS
+
+    kept, instead = REMOVED_CALIBRATION_FIELDS[field]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"algo.calibration.{field}={kept if kept is not None else 1}"])
+    assert f"algo.calibration.{field} was removed" in str(err.value) and instead in str(err.value)
+    # the same from a YAML file
+    path = tmp_path / "run.yaml"
+    path.write_text(f"algo:\n  calibration:\n    enabled: true\n    {field}: 1\n")
+    with pytest.raises(ConfigError, match=rf"algo\.calibration\.{field} was removed"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("rule", ["gated", "excess"])
+def test_a_removed_strength_is_refused_naming_what_to_set(rule):
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"algo\.calibration\.strength={rule} was removed.*decision.*full"):
+        load_config(None, [f"algo.calibration.strength={rule}"])

@@ -133,7 +133,7 @@ def train_steps() -> None:
     base = ["precision.recipe=none", "precision.rollout_quantization=none", "train.micro_batch_size=8",
             "train.num_minibatches=2", "algo.calibration.enabled=true", "algo.calibration.calibrate_every=2",
             "algo.calibration.relax_only=false", "algo.calibration.smoothing=0.0", "tracking.dump_ratios=true",
-            # the solve's mechanics: the solved bounds applied in full (strength=excess may keep the vanilla ones)
+            # the solve's mechanics: the solved bounds applied (strength=decision keeps the vanilla ones)
             "algo.calibration.strength=full"]
     cfg0 = load_config(ROOT / "examples" / "configs" / "tiny_fp8_grpo.yaml", base)
     state.init_distributed(cfg0.parallel, cfg0.train.seed)
