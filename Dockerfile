@@ -31,11 +31,24 @@ FROM ${BASE_IMAGE}
 ARG SGLANG_VERSION
 ARG MEGATRON_CORE_VERSION=0.16.1
 ARG SGLANG_ROUTER_VERSION=0.3.2
+# Transformer Engine 2.20.2 beside megatron-core 0.16.1, although megatron-core's own `dev` extra asks for
+# transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0 (its METADATA): that range is the TE its release was tested
+# with (its newest TE gate is is_te_min_version("2.10.0")), not a known break. The evidence for crossing it:
+# (1) TE's torch extension is compiled here against the image's torch, and sglang 0.5.23 pins torch==2.14.1; TE 2.11.0,
+# the newest in megatron's range, was built in January 2026 (its wheel's file dates), before torch 2.14, while TE
+# 2.20.2 is of sglang 0.5.23's own month (PyPI) and declares the same torch>=2.1; (2) every name megatron-core 0.16.1
+# imports from TE resolves alike in TE 2.11.0 and 2.20.2 (the two its try/except leaves unused, attention's
+# _SplitAlongDim and module.base.get_workspace, are absent from both), and so does everything precision/te.py uses
+# (tests/conformance/test_conformance_te_megatron.py reads the pinned TE's source); (3) tests/gpu checks the pairing
+# on hardware (TE training, FP8 recipes). Moving to TE < 2.12 would mean a TE older than the torch it compiles against.
 ARG TRANSFORMER_ENGINE_VERSION=2.20.2
 ARG APEX_REF=25.09
 ARG PYTHON=python3
-# Transformer Engine's build: the GPUs to compile for (Hopper, Blackwell) and parallel jobs.
+# The GPUs the image targets (Hopper sm90, Blackwell sm100), for Transformer Engine's build and for apex's
+# (torch.utils.cpp_extension reads TORCH_CUDA_ARCH_LIST; without it apex compiles for whatever GPU the build host has,
+# none on a CPU builder), and parallel jobs.
 ARG NVTE_CUDA_ARCHS=90;100
+ARG TORCH_CUDA_ARCH_LIST=9.0;10.0
 ARG MAX_JOBS=8
 
 # The base image may pin its packages through PIP_CONSTRAINT; every install below passes the merged constraints.
@@ -49,12 +62,17 @@ WORKDIR /opt/megatron_rl
 
 # The base image's torch and NCCL, recorded before anything is added (the last step checks they are still the ones
 # imported), and the constraints every install runs under.
+# A package installed later that needs another version of a frozen one stops the constraints step with its name (the
+# --need lines: megatron-core 0.16.1's METADATA requirements; --need-setup: this package's install_requires).
 COPY tools/check_one_environment.py tools/check_one_environment.py
 COPY constraints/ constraints/
+COPY setup.py setup.py
 RUN "${PYTHON}" -c "import sglang, sys; v = sglang.__version__; sys.exit(0 if v == '${SGLANG_VERSION}' else f'base image has sglang {v}, not ${SGLANG_VERSION}')" \
  && "${PYTHON}" tools/check_one_environment.py probe --import sglang > base_environment.json \
  && "${PYTHON}" tools/check_one_environment.py constraints constraints/cpu.txt \
-        --ours megatron-core --ours sglang-router --ours pybind11 > constraints/image.txt
+        --ours megatron-core --ours sglang-router --ours pybind11 \
+        --need "megatron-core ${MEGATRON_CORE_VERSION}: torch>=2.6.0" --need "megatron-core ${MEGATRON_CORE_VERSION}: packaging>=24.2" \
+        --need-setup setup.py > constraints/image.txt
 
 # Transformer Engine into the same interpreter: its core library for CUDA 13, and its torch extension compiled against
 # this torch (--no-build-isolation) with the headers of the NCCL torch loads. (Steps stay separate layers: the long TE
@@ -69,10 +87,12 @@ RUN "${PYTHON}" -m pip install --no-cache-dir -c constraints/image.txt "pybind11
  && "${PYTHON}" -c "import transformer_engine.pytorch as te; print('TE', te.__version__)"
 
 # apex (megatron's gradient-accumulation fusion kernels), built against this torch from its release tag when the base
-# image lacks it.
+# image lacks it. Its setup aborts when nvcc's CUDA differs from torch.version.cuda: the base image's nvcc (CUDA 13.0)
+# is the one its cu130 torch was built for.
 # hadolint ignore=DL3059
 RUN "${PYTHON}" -c "import apex" 2>/dev/null \
- || APEX_CPP_EXT=1 APEX_CUDA_EXT=1 MAX_JOBS="${MAX_JOBS}" "${PYTHON}" -m pip install --no-cache-dir --no-build-isolation \
+ || TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" APEX_CPP_EXT=1 APEX_CUDA_EXT=1 MAX_JOBS="${MAX_JOBS}" \
+    "${PYTHON}" -m pip install --no-cache-dir --no-build-isolation \
         -c constraints/image.txt "apex @ git+https://github.com/NVIDIA/apex.git@${APEX_REF}"
 
 # Project files, then megatron-core, sglang-router and this package under the same constraints.

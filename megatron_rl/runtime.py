@@ -256,6 +256,9 @@ def attach_colocated_feeders(session: "RunSession", urls: list[str]) -> None:
                                  "behind a router: list them in rollout.weight_update_urls in the order they were started "
                                  "(engine i runs on the i-th group of devices; a router's worker list has no order)")
             engines = colocated_engines(r, urls)
+            # the layout says where each engine should run; the engines say where they do (an engine started by hand
+            # or by another launcher may hold other devices, and would exit on the handles its feeders send)
+            session.transport.check_colocated_devices(engines)
         except ValueError as exc:
             error = str(exc)
     feed = share_feeds(engines, error)

@@ -1,7 +1,7 @@
 """Where the policy starts.
 
 `model.init_checkpoint` names either an HF directory (config + safetensors), loaded through the
-HF -> Megatron mapping on every rank, or a megatron distributed checkpoint (a step directory or a
+HF -> Megatron mapping on every rank, each reading only its own PP/TP slices, or a megatron distributed checkpoint (a step directory or a
 checkpoint root, e.g. from `megatron-rl convert hf-to-megatron`), loaded sharded under any parallel
 layout — the scalable path for 8B+ models. When it is unset, the supervised warm start
 (`megatron_rl.sft`) trains the model on the task once and exports <run_dir>/sft/hf, reused later.
@@ -184,18 +184,21 @@ def initialize_learner(learner, init_dir: str, tokenizer, run_dir: Path) -> str:
     return str(out)
 
 
-def load_initial_weights(learner, hf_dir: str) -> None:
-    """Load HF safetensors into the learner through the mapping (every rank reads the same file)."""
-    from safetensors.torch import load_file
+def load_initial_weights(learner, hf_dir: str) -> int:
+    """Load HF safetensors into the learner through the mapping, each rank reading only its own PP/TP share; returns the bytes it read.
 
+    Names and shapes are checked from the file headers first (nothing read); then every local parameter reads
+    just its slice (`get_slice`), so a rank's host memory holds one parameter's shard at a time, not the model.
+    """
+    import torch
+
+    from megatron_rl.convert.safetensors_io import SlicedHFReader
     from megatron_rl.models import hf_mapping
 
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
-    hf_sd = {}
-    for f in files:
-        hf_sd.update(load_file(str(f)))
-    full = hf_mapping.to_megatron(hf_sd, learner.arch)
-    hf_mapping.check_complete(full, learner.expected_full_shapes(), f"initial weights from {hf_dir}")
-    learner.load_full_state_dict(full)
+    reader = SlicedHFReader(hf_dir)
+    headers = {name: torch.empty(reader.shape(name), device="meta") for name in reader.names()}
+    expected = learner.expected_full_shapes()
+    hf_mapping.check_complete(hf_mapping.to_megatron(headers, learner.arch), expected, f"initial weights from {hf_dir}")
+    learner.load_pieces(lambda name, shard: hf_mapping.read_megatron_piece(name, expected[name], learner.arch, reader, shard),
+                        f"initial weights from {hf_dir}")
+    return reader.bytes_read

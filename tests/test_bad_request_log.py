@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+import urllib.error
 import urllib.request
 from urllib.parse import urlparse
 
@@ -134,3 +135,57 @@ def test_a_served_engine_log_has_no_traceback(model, tmp_path):
     refused = [ln for ln in log.splitlines() if "malformed HTTP request refused" in ln]
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert 1 <= len(refused) <= http.BAD_REQUEST_LINES, refused
+
+
+def reset_mid_body(url: str) -> None:
+    """Send half a body, then close the socket with a reset (SO_LINGER 0), as a client killed mid-upload."""
+    import struct
+
+    u = urlparse(url)
+    sock = socket.create_connection((u.hostname, u.port), timeout=30)
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"input_ids\": [")
+    time.sleep(0.05)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_a_client_gone_mid_body_logs_one_line_rate_limited(model, monkeypatch, caplog):
+    now = [0.0]  # the window ends when the test says so
+    fresh = http.RateLimitedLines(logging.getLogger("aiohttp.server"), http.BAD_REQUEST_LINES, 10.0,
+                                  clock=lambda: now[0], what=http.SERVER_LOG.client_errors.what)
+    monkeypatch.setattr(http.SERVER_LOG, "client_errors", fresh)
+    n = 3 * http.BAD_REQUEST_LINES
+    with ThreadedServer(model) as srv:
+        with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+            for _ in range(n):
+                reset_mid_body(srv.url)
+            time.sleep(0.5)
+            assert healthy(srv.url)
+            now[0] += 11.0
+            fresh.flush()
+        records = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.INFO]
+    lines = [r.getMessage() for r in records]
+    gone = [m for m in lines if m.startswith("client closed the connection mid-request")]
+    assert len(gone) == http.BAD_REQUEST_LINES, lines
+    assert lines[-1].startswith("suppressed ") and "closed the connection" in lines[-1], lines
+    assert len(lines) == len(gone) + 1, lines
+    assert all(r.exc_info is None and "\n" not in r.getMessage() and len(r.getMessage()) < 600 for r in records), lines
+
+
+def test_a_failed_disk_update_logs_one_bounded_line_rate_limited(model, caplog):
+    long_path = "/nonexistent/" + "p" * 50_000
+    with ThreadedServer(model) as srv:
+        with caplog.at_level(logging.INFO, logger="megatron_rl.engine.server"):
+            for _ in range(3 * http.BAD_REQUEST_LINES):
+                req = urllib.request.Request(srv.url + "/update_weights_from_disk", method="POST",
+                                             data=('{"model_path": "%s"}' % long_path).encode())
+                try:
+                    urllib.request.urlopen(req, timeout=30)
+                    raise AssertionError("the update must fail")
+                except urllib.error.HTTPError as exc:
+                    assert exc.code == 400 and b"success" in exc.read()
+        lines = [r.getMessage() for r in caplog.records if r.name == "megatron_rl.engine.server"
+                 and r.levelno >= logging.WARNING]
+    failed = [m for m in lines if "update_weights_from_disk failed" in m]
+    assert len(failed) == http.BAD_REQUEST_LINES, lines  # the window (10 s) has not ended: the rest are counted
+    assert all(len(m) < 700 and m.count("/nonexistent/") == 1 for m in failed), failed[0][:1000]

@@ -91,9 +91,26 @@ def test_one_interpreter_for_learner_and_engines():
     assert "--no-build-isolation" in te and '"transformer_engine[pytorch,core_cu13]==${TRANSFORMER_ENGINE_VERSION}"' in te
     learner = next(a for a in installs if "megatron-core" in a)
     assert '"megatron-core==${MEGATRON_CORE_VERSION}"' in learner and '"sglang-router==${SGLANG_ROUTER_VERSION}"' in learner
-    # the constraints keep the image's versions, cpu.txt's only for what it lacks (and for what the image pins itself)
-    assert ('tools/check_one_environment.py constraints constraints/cpu.txt --ours megatron-core --ours sglang-router '
-            '--ours pybind11 > constraints/image.txt') in text
+    # the constraints keep the image's versions, cpu.txt's only for what it lacks (and for what the image pins itself);
+    # what megatron-core and this package need of a frozen package is checked there, by name
+    constraint_step = re.search(r"tools/check_one_environment\.py constraints constraints/cpu\.txt (.*?) > "
+                                r"constraints/image\.txt", text).group(1)
+    assert constraint_step.startswith("--ours megatron-core --ours sglang-router --ours pybind11 "), constraint_step
+    assert '--need "megatron-core ${MEGATRON_CORE_VERSION}: packaging>=24.2"' in constraint_step
+    assert constraint_step.endswith("--need-setup setup.py")
+    # the --need lines are megatron-core's own version requirements (its installed METADATA, outside extras)
+    from importlib.metadata import requires, version
+
+    stated = sorted(re.findall(r'--need "megatron-core \$\{MEGATRON_CORE_VERSION\}: ([^"]+)"', constraint_step))
+    assert version("megatron-core") == build_args()["MEGATRON_CORE_VERSION"]
+    assert stated == sorted(r.replace(" ", "") for r in requires("megatron-core") if "extra" not in r and any(
+        op in r for op in "<>=")), stated
+    # apex compiles for the architectures Transformer Engine does, stated, not the build host's
+    args = build_args()
+    archs = args["TORCH_CUDA_ARCH_LIST"].split(";")
+    assert [a.replace(".", "") for a in archs] == args["NVTE_CUDA_ARCHS"].split(";") == ["90", "100"]
+    apex = next(run for run in runs if "apex.git" in run)
+    assert 'TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}"' in apex
 
 
 def test_the_last_step_proves_one_torch_and_one_nccl():

@@ -100,3 +100,6 @@ def test_overlap_trains_exactly_like_no_overlap_on_gloo():
         assert a["steps"] == b["steps"]
         assert a["reference_sum"] == b["reference_sum"] and a["logprobs_sum"] == b["logprobs_sum"]
     assert on[0]["sums"] == off[0]["sums"] and on[0]["sums"] is not None
+    # a forward completes the gather: the export after it repeats no full all-gather, and still reads the new weights
+    assert all(r["after_forward"] is False and r["forced_syncs"] == 0 for r in on + off)
+    assert on[0]["sums3"] == off[0]["sums3"] and on[0]["sums3"] != on[0]["sums"]

@@ -124,3 +124,30 @@ def test_check_command_on_this_cpu_box(tmp_path):
     proc = subprocess.run([*args, "--sglang-python", str(tmp_path / "missing")], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 1 and proc.stdout.startswith("[FAIL] probe"), proc.stdout
+
+
+def test_a_frozen_version_a_later_install_cannot_use_is_named():
+    """The freeze keeps the base image's versions; a package installed later that needs another one is named with both
+    versions and who needs it, instead of pip's bare ResolutionImpossible."""
+    installed = {"packaging": "23.2", "torch": "2.14.1+cu130", "numpy": "2.3.1"}
+    needs = ["megatron-core 0.16.1: packaging>=24.2", "megatron-core 0.16.1: torch>=2.6.0", "setup.py: numpy>=1.26",
+             "setup.py: rich>=13"]  # rich: not in the image, cpu.txt's pin applies
+    (line,) = one.freeze_conflicts(installed, needs)
+    assert line.startswith("packaging: the base image has 23.2") and "megatron-core 0.16.1 needs packaging>=24.2" in line
+    assert "--ours packaging" in line
+    assert one.freeze_conflicts(installed, needs, ours=["packaging"]) == []  # moved on purpose: not frozen
+    assert one.freeze_conflicts({"torch": "2.5.1"}, ["megatron-core: torch>=2.6.0"])[0].startswith("torch: ")
+
+
+def test_the_constraints_command_stops_on_a_conflict(tmp_path):
+    from importlib.metadata import version
+
+    setup = tmp_path / "setup.py"
+    setup.write_text('from setuptools import setup\nsetup(name="x", install_requires=["pyyaml>=6", "rich>=1000"])\n')
+    assert one.setup_requirements(str(setup)) == ["pyyaml>=6", "rich>=1000"]
+    cmd = [sys.executable, str(TOOL), "constraints", str(ROOT / "constraints" / "cpu.txt"), "--need-setup", str(setup)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"freeze conflict: rich: the base image has {version('rich')}" in proc.stderr and "rich>=1000" in proc.stderr
+    ok = subprocess.run(cmd[:-2] + ["--need", "x: pyyaml>=6"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "pyyaml==" in ok.stdout

@@ -39,9 +39,9 @@ def test_shipped_configs_pass_for_their_stated_allocation(name):
     assert plan.learner_memory.total() < 80e9 and plan.step_time.total > 0
 
 
-def _plan(overrides=(), config="qwen3_8b_fp8_grpo.yaml", nodes=2, gpus=8, gpu="h100", engine_nodes=1):
+def _plan(overrides=(), config="qwen3_8b_fp8_grpo.yaml", nodes=2, gpus=8, gpu="h100", engine_nodes=1, engine_gpu=None):
     return make_plan(load_config(CONFIGS / config, list(overrides), check_layout=False, check_device=False), nodes, gpus, gpu,
-                     PlanOptions(engine_nodes=engine_nodes))
+                     PlanOptions(engine_nodes=engine_nodes, engine_gpu=engine_gpu))
 
 
 # colocated engines are this host's (the tensor transport's handles open nowhere else)
@@ -73,6 +73,7 @@ BROKEN = {
     "kv-cache-below-one-sequence": dict(overrides=["rollout.mem_fraction_static=0.12"]),
     "colocated-out-of-memory": dict(overrides=COLOCATED, nodes=1),
     "colocated-multi-node": dict(overrides=[*COLOCATED, "rollout.mem_fraction_static=0.3"], nodes=2),
+    "engine-gpu-colocated": dict(overrides=[*COLOCATED, "rollout.mem_fraction_static=0.3"], nodes=1, engine_gpu="b200"),
     "recipe-unsupported-by-gpu": dict(overrides=["precision.recipe=mxfp8"], gpu="h200"),
     "rollout-scales-requantized": dict(overrides=["precision.rollout_scale_fmt=fp32"], gpu="b200"),
 }
@@ -293,3 +294,29 @@ def test_plan_reports_the_calibration_cost_and_warns_when_it_outruns_bf16():
     # the split's BF16 learner runs no high-precision forward beyond its own: nothing to report
     split = codes(_plan(config="qwen3_8b_bf16_learner_fp8_rollout_grpo.yaml"))
     assert "calibration-slower-than-bf16" not in split
+
+
+def test_plan_reports_host_memory_of_the_warm_start_and_of_checkpoint_saves(capsys):
+    """Per learner node: the sliced HF warm start holds one parameter slice per rank (halving with TP, far below a
+    model per rank), a torch_dist save stages every rank's weights + optimizer shard; `plan` prints both."""
+    plan = _plan()
+    hm, lm = plan.host_memory, plan.learner_memory
+    assert hm.ranks_per_node == 8
+    assert hm.checkpoint_save == 8 * (lm.weights + lm.optimizer)
+    assert hm.warm_start_whole_model == 8 * memory.served_weight_bytes(_arch(), fp8=False)
+    assert hm.warm_start * 8 < hm.warm_start_whole_model  # not even an eighth of a model per rank
+    tp4 = _plan(["parallel.tensor_model_parallel_size=4"]).host_memory
+    assert tp4.warm_start * 2 == hm.warm_start  # the largest slice (the embedding's rows) halves with TP
+    fp32 = _plan(["optim.params_dtype=fp32"]).host_memory
+    assert fp32.warm_start == 2 * hm.warm_start  # the read BF16 slice and its merged copy, plus the fp32 cast
+    assert main(["plan", str(CONFIGS / "qwen3_8b_fp8_grpo.yaml"), "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "learner host memory per node (8 rank(s) a node" in out
+    assert f"HF warm start       {hm.warm_start / 2**30:8.2f} GiB" in out
+    assert f"checkpoint save     {hm.checkpoint_save / 2**30:8.2f} GiB" in out
+
+
+def _arch():
+    from megatron_rl.models.presets import resolve_architecture
+
+    return resolve_architecture(load_config(CONFIGS / "qwen3_8b_fp8_grpo.yaml").model)

@@ -200,3 +200,80 @@ def test_what_counts_as_a_taken_port():
     assert processes.port_taken("RuntimeError: Address already in use (os error 98)")
     assert processes.port_taken("ValueError: port at 30001 is not available in 30 seconds.")
     assert not processes.port_taken("FP8 DeepGEMM is not available in this build; CUDA out of memory")
+
+
+def test_a_fixed_port_in_use_is_tried_again_then_reported_naming_the_fields(tmp_path, monkeypatch, held_port):
+    monkeypatch.setattr(processes, "FIXED_PORT_RETRY_S", 0.05)
+    with pytest.raises(LaunchError, match=f"port {held_port} on 127.0.0.1 stayed in use .*rollout.base_port") as err:
+        start_cluster([stand_in_spec(tmp_path)], base_port=held_port, log_dir=str(tmp_path), startup_timeout_s=30)
+    assert "\n" not in str(err.value)
+    assert (tmp_path / "engine_0.log").read_text().count("Address already in use") == processes.PORT_ATTEMPTS
+
+
+def test_a_fixed_port_freed_meanwhile_is_served_as_given(tmp_path, monkeypatch):
+    """A previous job's engine still holding the port: the start is tried again on the same port once it is free."""
+    import threading
+    import time
+
+    monkeypatch.setattr(processes, "FIXED_PORT_RETRY_S", 0.5)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    log = tmp_path / "engine_0.log"
+
+    def free_after_first_refusal():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (log.exists() and "Address already in use" in log.read_text()):
+            time.sleep(0.02)
+        holder.close()
+
+    closer = threading.Thread(target=free_after_first_refusal)
+    closer.start()
+    try:
+        with start_cluster([stand_in_spec(tmp_path)], base_port=port, log_dir=str(tmp_path), startup_timeout_s=30) as c:
+            assert c.engines[0].url.endswith(f":{port}") and get(c.engines[0].url, "/health") == {}
+    finally:
+        closer.join()
+        holder.close()
+    assert log.read_text().count("Address already in use") == 1
+
+
+FOREIGN = """# Another server that took the port first: healthy, but not the engine that was launched.
+import http.server, json, sys
+port = int(sys.argv[1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"model_path": "/someone/elses", "port": port, "random_seed": 0}).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_health_from_a_process_that_took_the_port_is_not_the_engines(tmp_path):
+    """wait_healthy checks /server_info names the launch (model path, port, seed): the engine below never binds, and
+    the foreign server's answers must not make it healthy."""
+    (tmp_path / "foreign.py").write_text(FOREIGN)
+    port = processes.free_port()
+    foreign = subprocess.Popen([sys.executable, str(tmp_path / "foreign.py"), str(port)])
+    try:
+        for _ in range(200):
+            try:
+                get(f"http://127.0.0.1:{port}", "/health")
+                break
+            except OSError:
+                import time
+
+                time.sleep(0.05)
+        slow = EngineSpec(lambda p: [sys.executable, "-c", "import time; time.sleep(60)", "--model-path", "/m",
+                                     "--port", str(p), "--random-seed", "0"])
+        with pytest.raises(LaunchError, match=r"another process answers on .*'/someone/elses'.*'/m'"):
+            start_cluster([slow], base_port=port, log_dir=str(tmp_path), startup_timeout_s=3)
+    finally:
+        foreign.kill()
+        foreign.wait()
+    assert processes.launch_identity(["x", "--model-path", "/m", "--port", "0"], "http://h:31234") == {
+        "model_path": "/m", "port": 31234}
+    assert processes.launch_identity(["router", "--port", "1"], "http://h:1") == {}

@@ -1,5 +1,7 @@
 """precision.rollout_scale_fmt=auto: UE8M0 block scales for Blackwell (sm100) engines, whose SGLang requantizes
 fp32 block scales to UE8M0 for DeepGEMM; fp32 elsewhere (CPU numbers unchanged); explicit fp32 there is refused."""
+import json
+
 import pytest
 import torch
 
@@ -106,3 +108,56 @@ def test_sglang_engines_on_blackwell_refuse_fp32_scales_before_starting(tmp_path
         launch_sglang_engines(cfg, PrecisionConfig(rollout_quantization="fp8-blockwise", rollout_scale_fmt="fp32"),
                               str(tmp_path), log_dir=str(tmp_path), engine_capability=(9, 0), visible_gpus=1, learner_gpus=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_engines_of_another_gpu_model_choose_the_scale_format():
+    """Mixed clusters: rollout.engine_gpu, not the learner's GPU, decides auto; it is refused where it cannot differ."""
+    assert _fmt([*BLOCKWISE, "rollout.engine_gpu=b200"], H200) == "ue8m0"  # H200 learner, B200 engines
+    assert _fmt([*BLOCKWISE, "rollout.engine_gpu=h100"], B200) == "fp32"  # and the other way round
+    assert _fmt([*BLOCKWISE, "rollout.engine_gpu=b200"], CPU) == "ue8m0"  # stated: nothing detected
+    with pytest.raises(ConfigError, match=r"precision\.rollout_scale_fmt=fp32 .*compute capability 10\.0"):
+        load_config(None, [*BLOCKWISE, "rollout.engine_gpu=b200", "precision.rollout_scale_fmt=fp32"], device_facts=H200)
+    for bad, why in ((["rollout.engine_gpu=a100"], "no known GPU model"),
+                     (["rollout.engine_gpu=b200"], "embedded engines run on CPU"),
+                     (["rollout.engine_gpu=b200", "rollout.placement=colocated", "rollout.engine=sglang",
+                       "rollout.mem_fraction_static=0.3"], "colocated engines share the learner's GPUs")):
+        with pytest.raises(ConfigError, match=r"rollout\.engine_gpu.*" + why):
+            load_config(None, bad, device_facts=CPU)
+
+
+def test_plan_with_engines_of_another_gpu_model(capsys):
+    from pathlib import Path
+
+    from megatron_rl.cli import main
+    from megatron_rl.plan.hardware import DEVICES
+
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "qwen3_8b_fp8_grpo.yaml")
+    for how in (["--engine-gpu", "b200"], ["rollout.engine_gpu=b200"]):
+        assert main(["plan", config, *how, "--nodes", "2", "--gpu", "h100", "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["layout"]["device"] == "h100" and plan["layout"]["engine_device"] == "b200"
+        assert plan["rollout_scale_fmt"] == "ue8m0"  # chosen for the engines' sm100, not the learner's sm90
+        assert plan["engine_memory"]["pool"] == int(0.85 * DEVICES["b200"].memory_bytes)  # the engines' own memory
+    assert main(["plan", config, "--engine-gpu", "b200", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "8 replica(s), on b200 (compute capability 10.0)" in out and "ue8m0 scales" in out
+    assert main(["plan", config, "precision.rollout_scale_fmt=fp32", "--engine-gpu", "b200", "--nodes", "2"]) == 2
+    assert "rollout-scales-requantized" in capsys.readouterr().out
+    # B200 learners with H100 engines keep fp32 scales
+    assert main(["plan", config, "--gpu", "b200", "--engine-gpu", "h100", "--nodes", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rollout_scale_fmt"] == "fp32"
+
+
+def test_sglang_engines_refuse_a_stated_gpu_model_they_do_not_run_on(tmp_path):
+    from megatron_rl.config.rollout import RolloutConfig
+    from megatron_rl.rollout.launcher import LaunchError
+    from megatron_rl.rollout.sglang_launcher import launch_sglang_engines
+
+    cfg = RolloutConfig(engine="sglang", num_engines=1, sglang_python="/nonexistent/python", engine_gpu="b200")
+    precision = PrecisionConfig(rollout_quantization="fp8-blockwise", rollout_scale_fmt="ue8m0")
+    with pytest.raises(LaunchError, match=r"rollout\.engine_gpu=b200 .*compute capability 9\.0"):
+        launch_sglang_engines(cfg, precision, str(tmp_path), log_dir=str(tmp_path), engine_capability=(9, 0),
+                              visible_gpus=1, learner_gpus=0)
+    with pytest.raises(LaunchError, match="rollout.sglang_python"):  # on the stated GPU it gets past the check
+        launch_sglang_engines(cfg, precision, str(tmp_path), log_dir=str(tmp_path), engine_capability=(10, 0),
+                              visible_gpus=1, learner_gpus=0)

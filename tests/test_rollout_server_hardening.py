@@ -94,6 +94,9 @@ BAD_BODIES = [
                  "stop_token_ids", id="stop-ids-outside-vocab-min-new-tokens"),
     pytest.param({"input_ids": [5, 6], "sampling_params": {"stop_token_ids": [-3], "min_new_tokens": 2}},
                  "stop_token_ids", id="stop-ids-negative"),
+    pytest.param({"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 8, "temperature": 2**63}},
+                 "temperature", id="temperature-int-2^63"),
+    pytest.param({"input_ids": [1, 5, 6], "sampling_params": {"temperature": 10**30}}, "temperature", id="temperature-int-1e30"),
     pytest.param({"input_ids": [5, 6], "sampling_params": {"n": 10**6}}, "--max-n", id="n-1e6"),
     pytest.param({"input_ids": [5, 6], "sampling_params": {"n": 20000}}, "--max-n", id="n-20000"),
     pytest.param({"input_ids": [[5]] * 600, "sampling_params": {"n": 2}}, "--max-sequences-per-request", id="prompts-x-n"),
@@ -119,6 +122,8 @@ def test_bad_request_fails_alone_and_its_batch_mates_succeed(srv, bad, needle):
 @pytest.mark.parametrize("sp", [
     {"temperature": 1e308, "min_new_tokens": 2},  # found by the fuzz suite: inf in float32, -inf / inf = NaN
     {"temperature": 1e-300, "top_p": 1e-300, "min_p": 1e-300},
+    {"temperature": 2**63 - 1, "min_new_tokens": 2},  # the largest integer kept (as a float)
+    {"temperature": 2, "top_p": 1, "min_p": 0},  # small integers are numbers like any other
     {"top_k": 10**30, "sampling_seed": -(10**30), "n": 2},
     {"max_new_tokens": 0, "min_new_tokens": 10**30},
 ])
@@ -306,3 +311,74 @@ def test_an_http2_probe_is_refused_quietly(small, caplog):
     assert data.split(b" ", 2)[1] == b"400"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
     assert any("HTTP/2" in r.getMessage() for r in caplog.records)
+
+
+def test_a_body_that_is_not_its_content_encoding_gets_400(srv):
+    """aiohttp decodes Content-Encoding itself; a body that is not gzip must not surface as a 500."""
+    import gzip
+
+    for encoding in ("gzip", "deflate"):
+        status, text = request(srv.url, "/generate", json.dumps(GOOD).encode(),
+                               headers={"Content-Encoding": encoding, "Content-Type": "application/json"})
+        assert status == 400 and f"Content-Encoding: {encoding}" in message(text), text
+    status, text = request(srv.url, "/generate", gzip.compress(json.dumps(GOOD).encode()),
+                           headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert status == 200, text  # a real gzip body is still read
+    assert request(srv.url, "/health")[0] == 200
+
+
+def test_abort_of_a_rid_no_request_holds_is_ignored(srv):
+    """SGLang ignores an abort naming no live request: a later request with that rid runs, and nothing is kept."""
+    server = srv.server
+    for i in range(200):
+        assert request(srv.url, "/abort_request", {"rid": f"ghost-{i}"})[0] == 200
+    assert not server._aborted_rids and not server._held_rids
+    status, text = request(srv.url, "/generate", {**GOOD, "rid": "ghost-7"})
+    out = json.loads(text)
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 3
+    assert not server._held_rids, "a finished request holds its rid no longer"
+
+
+def test_an_abort_still_reaches_a_request_that_holds_its_rid(srv):
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(srv.url + "/pause_generation", json={"mode": "in_place"}) as r:
+                assert r.status == 200
+            try:
+                pending = asyncio.ensure_future(s.post(srv.url + "/generate", json={**GOOD, "rid": "held"}))
+                for _ in range(100):
+                    if "held" in srv.server._held_rids:
+                        break
+                    await asyncio.sleep(0.02)
+                async with s.post(srv.url + "/abort_request", json={"rid": "held"}) as r:
+                    assert r.status == 200
+            finally:
+                async with s.post(srv.url + "/continue_generation", json={}) as r:
+                    assert r.status == 200
+            return await (await asyncio.wait_for(pending, 30)).json()
+
+    out = asyncio.run(run())
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    assert not srv.server._aborted_rids and not srv.server._held_rids
+
+
+def test_over_long_text_is_refused_before_tokenizing(srv, monkeypatch):
+    """A text longer than the context could hold is refused by its length alone, in milliseconds; the tokenizer
+    never sees it (tokenizing 5 MB of text held ~1 GB). Text within the bound is tokenized as before."""
+    from megatron_rl.engine.validation import TEXT_CHARS_PER_TOKEN
+
+    engine = srv.server.engine
+    seen = []
+    real_encode = engine.encode
+    monkeypatch.setattr(engine, "encode", lambda t: seen.append(len(t)) or real_encode(t))
+    bound = engine.max_context_len * max(TEXT_CHARS_PER_TOKEN, engine.max_token_chars)
+    for text in ("w5 " * (5 * 1024 * 1024 // 3), ["w5", "w6 " * (bound // 3 + 1)]):
+        t0 = time.monotonic()
+        status, text_out = request(srv.url, "/generate", {"text": text, "sampling_params": {"max_new_tokens": 1}})
+        assert status == 400 and "refused before tokenizing" in message(text_out) and str(bound) in message(text_out)
+        assert time.monotonic() - t0 < 5 and seen == [], "refused without tokenizing any prompt of the request"
+    status, text_out = request(srv.url, "/generate", {"text": "w5 " * (bound // 3 - 1), "sampling_params": {"max_new_tokens": 1}})
+    assert status == 400 and "tokens) is longer than the model's context length" in message(text_out)
+    assert seen == [bound // 3 * 3 - 3], "text within the bound is tokenized and refused by its token count"
+    status, text_out = request(srv.url, "/generate", {"text": "w5 w6", "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200, text_out

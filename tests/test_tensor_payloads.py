@@ -9,6 +9,7 @@ Run: pytest -q tests/test_tensor_payloads.py
 """
 from __future__ import annotations
 
+import base64
 import subprocess
 import sys
 import textwrap
@@ -122,26 +123,21 @@ def test_cuda_payload_names_its_device_by_uuid_and_opens_in_another_process():
     _, args = reductions.reduce_tensor(t)
     assert isinstance(args[DEVICE_ARG], int)  # where torch puts the device, as SGLang's patch assumes
     blobs = serialize_per_rank([("w", t)], 2)
-    # the reader maps the UUID back to its device index, as SGLang's patched rebuild_cuda_tensor does
+    # the reader maps the UUID back to its device index, as SGLang's patched rebuild_cuda_tensor does (its own patch
+    # when sglang imports, the project's equivalent otherwise); the payload itself carries the UUID
     reader = textwrap.dedent("""
         import base64, sys, torch
         from multiprocessing.reduction import ForkingPickler
-        from torch.multiprocessing import reductions
-        original = reductions.rebuild_cuda_tensor
-        seen = []
-        def by_uuid(*args):
-            uuid = args[%d]
-            seen.append(uuid)
-            index = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())].index(uuid)
-            return original(*args[:%d], index, *args[%d + 1:])
-        reductions.rebuild_cuda_tensor = by_uuid
+        from megatron_rl.rollout.sync.serialization import patch_torch_reductions
+        patch_torch_reductions()
         for line in sys.stdin.read().split():
             (name, got), = ForkingPickler.loads(base64.b64decode(line))
-            print(name, seen[-1], got.float().cpu().flatten().tolist())
-    """ % (DEVICE_ARG, DEVICE_ARG, DEVICE_ARG))
+            print(name, got.device.index, got.float().cpu().flatten().tolist())
+    """)
+    assert device_uuid(0).encode() in base64.b64decode(blobs[0])
     proc = subprocess.run([sys.executable, "-c", reader], input="\n".join(blobs), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 2 and all(line.startswith(f"w {device_uuid(0)} ") for line in lines), lines
+    assert len(lines) == 2 and all(line.startswith("w 0 ") for line in lines), lines
     assert lines[0].split(" ", 2)[2] == str(t.float().cpu().flatten().tolist())

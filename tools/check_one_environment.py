@@ -1,7 +1,8 @@
 """One Python, one torch, one NCCL for the learner and the SGLang engines: the GPU image's build step that proves it.
 
     python tools/check_one_environment.py probe [--import MODULE ...]        # this interpreter's facts, one JSON line
-    python tools/check_one_environment.py constraints constraints/cpu.txt [--ours NAME ...]
+    python tools/check_one_environment.py constraints constraints/cpu.txt [--ours NAME ...] [--need "WHO: REQ" ...] \\
+        [--need-setup setup.py]
     python tools/check_one_environment.py check --sglang-python PY --sglang-version V --te-version V \\
         --megatron-core-version V [--baseline FILE]
 
@@ -16,7 +17,9 @@ ships (as slime and miles build theirs), and this script checks the result:
 - `constraints` prints pip constraints that keep every distribution this interpreter already has at its installed
   version (SGLang's torch, NCCL, transformers, ...), and take constraints/cpu.txt's pin only for what is missing;
   `--ours NAME` leaves NAME to cpu.txt (the packages the image installs by pin). So installing the learner stack can
-  add packages but never move one SGLang was built with.
+  add packages but never move one SGLang was built with. A package installed later that needs another version of a
+  frozen one (`--need`, `--need-setup`) stops it here with that package named (exit 2), not in pip's unexplained
+  ResolutionImpossible.
 - `check` runs the probe in `--sglang-python` (the interpreter `rollout.sglang_python` names; its default is the
   learner's own) and in this one, and prints one `[PASS]` / `[FAIL]` line per rule: same torch file and version,
   NCCL present and equal to the wheel torch pins, SGLang at the pinned version with its own torch pin met,
@@ -134,6 +137,50 @@ def merge_constraints(installed: dict[str, str], cpu_pins: str, ours: Iterable[s
     return lines
 
 
+def _requirement(text: str):
+    """A PEP 508 requirement object (packaging's, or pip's vendored copy where packaging is not installed)."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pip always carries one
+        from pip._vendor.packaging.requirements import Requirement
+    return Requirement(text)
+
+
+def freeze_conflicts(installed: dict[str, str], needs: Iterable[str], ours: Iterable[str] = ()) -> list[str]:
+    """One line per need ("WHO: REQUIREMENT") whose package the freeze keeps at a version outside the requirement.
+
+    pip would only say ResolutionImpossible; this names the package, the base image's version, who needs what, and
+    the two ways out. Packages in `ours` are not frozen, and a need whose package the image lacks is cpu.txt's.
+    """
+    ours = {canonical(n) for n in ours}
+    have = {canonical(n): v for n, v in installed.items()}
+    out = []
+    for need in needs:
+        who, sep, text = need.partition(":")
+        who, text = (who.strip(), text.strip()) if sep else ("this install", need.strip())
+        req = _requirement(text)
+        name = canonical(req.name)
+        version = have.get(name)
+        if version is None or name in ours or req.specifier.contains(version, prereleases=True):
+            continue
+        out.append(f"{name}: the base image has {version}, which the freeze keeps (constraints/image.txt); {who} needs "
+                   f"{req}: let it move on purpose with --ours {name} (cpu.txt's pin then applies), or install a version of "
+                   f"what needs it that accepts {name} {version}")
+    return out
+
+
+def setup_requirements(setup_py: str) -> list[str]:
+    """The install_requires strings of a setup.py, read from its source (nothing is executed)."""
+    import ast
+
+    with open(setup_py) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "install_requires" and isinstance(node.value, ast.List):
+            return [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
 def installed_distributions() -> dict[str, str]:
     """name -> version of every distribution this interpreter has (the first one found per name, as import does)."""
     out: dict[str, str] = {}
@@ -206,6 +253,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     co = sub.add_parser("constraints", help="pip constraints: installed versions first, then CPU_TXT's pins")
     co.add_argument("cpu_txt")
     co.add_argument("--ours", action="append", default=[], help="a distribution the image installs by its own pin")
+    co.add_argument("--need", action="append", default=[],
+                    help='"WHO: REQUIREMENT" a package installed later needs; a frozen version outside it is named, exit 2')
+    co.add_argument("--need-setup", help="a setup.py whose install_requires are needs too")
     ch = sub.add_parser("check", help="learner and engines import one torch and one NCCL; one line per rule")
     ch.add_argument("--sglang-python", default=sys.executable, help="the interpreter rollout.sglang_python names")
     ch.add_argument("--sglang-version", required=True)
@@ -223,8 +273,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(facts))
         return 0
     if args.cmd == "constraints":
+        installed = installed_distributions()
+        needs = list(args.need)
+        if args.need_setup:
+            needs += [f"{args.need_setup} install_requires: {r}" for r in setup_requirements(args.need_setup)]
+        conflicts = freeze_conflicts(installed, needs, args.ours)
+        for line in conflicts:
+            print(f"freeze conflict: {line}", file=sys.stderr)
+        if conflicts:
+            return 2
         with open(args.cpu_txt) as f:
-            print("\n".join(merge_constraints(installed_distributions(), f.read(), args.ours)))
+            print("\n".join(merge_constraints(installed, f.read(), args.ours)))
         return 0
     try:
         engine = _run_probe(args.sglang_python, ["sglang"])

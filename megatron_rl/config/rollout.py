@@ -115,6 +115,8 @@ class RolloutConfig(StrictConfig):
     """none: each step generates, then trains; one_step_off: step t+1's samples are generated (with the weights of step t) while step t trains."""
     engine_gpus: list[Annotated[int, Field(ge=0)]] = []
     """CUDA device indices of this node for the SGLang engines, in order (empty = the GPUs after the learner's local ranks)."""
+    engine_gpu: Optional[str] = None
+    """GPU model of the engines where it differs from the learner's (a `megatron-rl plan --gpu` name, e.g. b200 beside h100 learners): it picks precision.rollout_scale_fmt=auto; None: the learner's GPU model."""
     sglang_python: Optional[str] = None
     """Python executable SGLang runs in (engine=sglang); None = the learner's own interpreter, as in the GPU image, where learner and engines share one torch and one NCCL (resolved at launch, so a recorded config names no machine path)."""
     sglang_args: list[str] = []
@@ -199,6 +201,8 @@ class RolloutConfig(StrictConfig):
             if len(self.engine_gpus) != need or len(set(self.engine_gpus)) != need or min(self.engine_gpus) < 0:
                 raise ValueError(f"rollout.engine_gpus must list {need} distinct GPU indices "
                                  "(num_engines * engine_tp_size * engine_dp_size)")
+        if self.engine_gpu is not None:
+            self._check_engine_gpu()
         if self.use_router and self.router_policy == "power_of_two" and self.engine != "external" and self.num_engines < 2:
             raise ValueError("rollout.router_policy=power_of_two needs rollout.num_engines >= 2 (sglang-router refuses "
                              "to start it with one worker)")
@@ -219,6 +223,8 @@ class RolloutConfig(StrictConfig):
                              f"rollout.placement=colocated (got {self.placement}): engines on GPUs of their own cannot "
                              "open the learner's CUDA-IPC handles; use transport=distributed or disk")
         if self.weight_sync.transport == "tensor" and self.engine == "external":
+            # a necessary condition only: which devices a local engine holds is asked of the engine itself before the
+            # first bucket (rollout/engine_devices.py, TensorWeightSync.check_sender_device / check_colocated_devices)
             remote = [u for u in (self.weight_update_urls or self.urls) if (urlparse(u).hostname or "") not in LOOPBACK_HOSTS]
             if remote:
                 raise ValueError(f"rollout.weight_sync.transport=tensor hands engines shared-memory / CUDA-IPC handles, "
@@ -252,6 +258,21 @@ class RolloutConfig(StrictConfig):
         direct = self.engine == "embedded" and not self.use_router
         # 1: every prompt in a call of its own, whatever its n (greedy evaluations ask for n = 1)
         return EMBEDDED_SEQUENCES_PER_REQUEST if direct else 1
+
+    def _check_engine_gpu(self) -> None:
+        """rollout.engine_gpu names a GPU of plan/hardware.py and engines that run on GPUs of their own."""
+        from megatron_rl.plan.hardware import DEVICES
+
+        gpus = sorted(name for name, spec in DEVICES.items() if spec.compute_capability)
+        if self.engine_gpu not in gpus:
+            raise ValueError(f"rollout.engine_gpu={self.engine_gpu!r} is no known GPU model; use one of {', '.join(gpus)} "
+                             "or leave it unset (the learner's GPU)")
+        if self.engine == "embedded":
+            raise ValueError("rollout.engine_gpu applies to GPU engines (rollout.engine=sglang or external); embedded "
+                             "engines run on CPU: leave it unset")
+        if self.placement == "colocated":
+            raise ValueError("rollout.engine_gpu: colocated engines share the learner's GPUs, so they are the learner's "
+                             "model: leave it unset with rollout.placement=colocated")
 
     def _check_colocated(self) -> None:
         """What rollout.placement=colocated needs (engines on the learner's devices, memory released while it trains)."""

@@ -336,16 +336,16 @@ def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()
 def resolve_for_engines(cfg: RunConfig, facts=None) -> tuple[RunConfig, list[str]]:
     """(cfg with precision.rollout_scale_fmt auto made concrete, problems) for the rollout engines of this run.
 
-    Engines we start (sglang) or reach (external) are taken to be on this machine's kind of GPU (a cluster of
-    one GPU kind; set the field explicitly otherwise); embedded engines run on CPU. Detection happens only
-    for blockwise FP8 rollouts on GPU engines, the one case where the answer depends on the GPU.
+    Engines we start (sglang) or reach (external) are on rollout.engine_gpu when it is set (a mixed cluster, e.g.
+    H100 learners with B200 engines), else on this machine's kind of GPU; embedded engines run on CPU. Detection
+    happens only for blockwise FP8 rollouts on GPU engines, the one case where the answer depends on the GPU.
     """
     from megatron_rl.precision import device
 
     prec = cfg.precision
     capability = None
     if prec.rollout_quantization == "fp8-blockwise" and cfg.rollout.engine != "embedded":
-        capability = (facts if facts is not None else device.detect_device_facts()).capability
+        capability = engine_capability(cfg, facts)
     fmt = device.rollout_scale_fmt_for(prec, capability)
     if fmt != prec.rollout_scale_fmt:
         cfg = cfg.model_copy(update={"precision": prec.model_copy(update={"rollout_scale_fmt": fmt})})
@@ -354,6 +354,18 @@ def resolve_for_engines(cfg: RunConfig, facts=None) -> tuple[RunConfig, list[str
         scales = "unit" if sglang_drops_kv_scales(cfg) or not cfg.precision.recalibrates_kv_scales else "recalibrate"
         cfg = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"kv_cache_scales": scales})})
     return cfg, device.engine_device_errors(cfg.precision, capability)
+
+
+def engine_capability(cfg: RunConfig, facts=None):
+    """Compute capability of the run's GPU engines: rollout.engine_gpu's (plan/hardware.py) when set, else that of the
+    device `facts` describes (default: this process's, detected once)."""
+    from megatron_rl.precision import device
+
+    if cfg.rollout.engine_gpu is not None:
+        from megatron_rl.plan.hardware import get_device
+
+        return get_device(cfg.rollout.engine_gpu).compute_capability
+    return (facts if facts is not None else device.detect_device_facts()).capability
 
 
 def device_errors(cfg: RunConfig, facts=None) -> list[str]:

@@ -48,6 +48,43 @@ def iter_hf_tensors(hf_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, fh.get_tensor(name)
 
 
+class SlicedHFReader:
+    """Reads an HF directory's tensors lazily (safetensors `safe_open` per file, `get_slice` per read).
+
+    A read materializes only the rows or columns it asks for, so a learner rank holds its own TP/PP share of
+    the checkpoint, not the model; `bytes_read` counts what the reads materialized.
+    """
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        """Open every weight file of `hf_dir` (FileNotFoundError when it has none); nothing is read yet."""
+        from safetensors import safe_open
+
+        self._files = [safe_open(str(f), framework="pt") for f in hf_weight_files(hf_dir)]
+        self._where = {name: fh for fh in self._files for name in fh.keys()}
+        self.bytes_read = 0
+        """Bytes of every tensor the reads returned."""
+
+    def names(self) -> list[str]:
+        """Names of every tensor of the directory."""
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor `name` (from the file header; nothing is read)."""
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Tensor `name`, or only its [start, stop) along `dim` (the rest of it is never read)."""
+        fh = self._where[name]
+        if dim is None:
+            t = fh.get_tensor(name)
+        else:
+            index = [slice(None)] * len(self.shape(name))
+            index[dim] = slice(start, stop)
+            t = fh.get_slice(name)[tuple(index)]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
 def hf_tensor_dtype(hf_dir: str | Path) -> torch.dtype:
     """Dtype of the first floating-point tensor of an HF directory (what the checkpoint stores)."""
     for _, t in iter_hf_tensors(hf_dir):

@@ -14,13 +14,16 @@ atomic on NFS-like shared filesystems (no fcntl locks, whose NFS support varies)
 - the builder is whoever creates the lock directory `<out>.lock` (`os.mkdir` is atomic); the others
   poll for the marker. The builder refreshes a heartbeat file in the lock while it works; a lock whose
   heartbeat has not changed for `stale_after_s` of the waiter's own clock (no cross-node clock
-  comparison), or whose owner is a dead process on this host, is broken by renaming it away (atomic,
-  one breaker wins) and the waiters compete again;
+  comparison) and whose owner is not a live process of this host, or whose owner is a dead process on this
+  host, is broken by renaming it away (atomic, one breaker wins) and the waiters compete again; the next
+  holder removes only leftover build directories whose builder is gone (dead here, or its heartbeat has
+  stopped touching the directory, by the filesystem's own clock).
 - an output with a different or missing marker (another source, or written by older code) is replaced
   by the lock holder only: the new one is built beside it and swapped in by two renames.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -91,6 +94,8 @@ class _Lock:
     def __init__(self, path: str, token: str, heartbeat_s: float):
         self.path, self.token, self.heartbeat_s = path, token, heartbeat_s
         self.owner = os.path.join(path, "owner.json")
+        self.building: Optional[str] = None
+        """The build directory, whose mtime the heartbeat refreshes too (what another host's waiter sees of us)."""
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -109,6 +114,9 @@ class _Lock:
         n = 0
         while not self._stop.wait(self.heartbeat_s):
             n += 1
+            if self.building is not None:
+                with contextlib.suppress(OSError):
+                    os.utime(self.building)
             try:  # content changes too, so a filesystem with coarse mtimes still shows progress
                 with open(os.path.join(self.path, "heartbeat"), "w") as f:
                     f.write(str(n))
@@ -136,22 +144,53 @@ def _lock_state(lock: str) -> tuple:
     return tuple(facts)
 
 
-def _owner_dead_here(lock: str) -> bool:
-    """True when the lock's owner is a process of this host that no longer exists."""
+def _alive_here(host: object, pid: object) -> Optional[bool]:
+    """Whether process `pid` of `host` is alive, when `host` is this host (None: another host's, or unknowable)."""
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True if isinstance(pid, int) else None  # EPERM: it exists, as another user's
+    return True
+
+
+def _owner_alive_here(lock: str) -> Optional[bool]:
+    """Whether the lock's owner (a process of this host) is alive; None when it is another host's or unrecorded."""
     try:
         with open(os.path.join(lock, "owner.json")) as f:
             owner = json.load(f)
     except (OSError, ValueError):
-        return False
-    if owner.get("host") != socket.gethostname():
-        return False
+        return None
+    return _alive_here(owner.get("host"), owner.get("pid")) if isinstance(owner, dict) else None
+
+
+def _owner_dead_here(lock: str) -> bool:
+    """True when the lock's owner is a process of this host that no longer exists."""
+    return _owner_alive_here(lock) is False
+
+
+def _leftover_dead(path: str, token: str, stale_after_s: float) -> bool:
+    """Whether a leftover `<out>.tmp-<token>` / `.stale-<token>` belongs to a builder that is gone: a dead process of this
+    host, or (another host's) one whose directory its heartbeat has not touched for `stale_after_s`, both times read
+    from the filesystem itself (a file written now), so no two nodes' clocks are compared."""
+    host, _, rest = token.rpartition("-")[0].rpartition("-")  # token: <host>-<pid>-<hex>
+    alive = _alive_here(host, int(rest) if rest.isdigit() else None)
+    if alive is not None:
+        return not alive
+    probe = f"{path}.probe-{uuid.uuid4().hex[:8]}"
     try:
-        os.kill(int(owner["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, KeyError, ValueError, TypeError):
-        return False
-    return False
+        with open(probe, "w"):
+            pass
+        now = os.stat(probe).st_mtime
+        return now - os.stat(path).st_mtime > stale_after_s
+    except OSError:
+        return False  # gone already, or unreadable: leave it
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
 
 
 def _break(lock: str, token: str) -> None:
@@ -180,14 +219,16 @@ def publish_once(out: str, identity: dict, source_files: Sequence[Path], build: 
             return out
         if lock.acquire():
             try:
-                return _build_locked(out, src, build, token)
+                return _build_locked(out, src, build, token, lock, stale_after_s)
             finally:
                 lock.release()
         state = _lock_state(lock.path)
         now = time.monotonic()
         if state != seen:
             seen, seen_at = state, now
-        elif now - seen_at > stale_after_s or _owner_dead_here(lock.path):
+        elif (now - seen_at > stale_after_s and not _owner_alive_here(lock.path)) or _owner_dead_here(lock.path):
+            # a live owner on this host is never broken, however long its heartbeat stalls (a build holding the
+            # interpreter, a stopped process): breaking it would let the next holder remove its build directory
             _break(lock.path, token)
             seen, seen_at = None, now
         if deadline is not None and now > deadline:
@@ -195,16 +236,20 @@ def publish_once(out: str, identity: dict, source_files: Sequence[Path], build: 
         time.sleep(poll_s)
 
 
-def _build_locked(out: str, src: _Source, build: Callable[[str], None], token: str) -> str:
+def _build_locked(out: str, src: _Source, build: Callable[[str], None], token: str, lock: _Lock,
+                  stale_after_s: float) -> str:
     """The lock holder's part: recheck, build beside `out`, mark complete, swap in (never over a matching one)."""
     if src.matches(_read_marker(out)):
         return out  # finished by the previous holder between our check and our lock
     parent, base = os.path.split(out)
-    for name in os.listdir(parent):  # leftovers of builders that died (only a lock holder builds)
-        if name.startswith((base + ".tmp-", base + ".stale-")):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    for name in os.listdir(parent):  # leftovers of builders that died; a live one's (its lock was broken) stays
+        for prefix in (base + ".tmp-", base + ".stale-"):
+            if name.startswith(prefix) and ".probe-" not in name and _leftover_dead(
+                    os.path.join(parent, name), name[len(prefix):], stale_after_s):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     tmp = f"{out}.tmp-{token}"
     os.makedirs(tmp)
+    lock.building = tmp
     try:
         digest = src.digest()
         build(tmp)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 GREEDY_TEMPERATURE = 1e-6
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 # SGLang sampling_params keys this engine implements (any value).
@@ -133,6 +134,14 @@ class SamplingParams:
                 raise bad(key, "must be a number")
             if not _is_finite(getattr(self, key)):
                 raise bad(key, "must be a finite number")
+            if isinstance(getattr(self, key), int):
+                # JSON integers stay Python ints; the sampler builds float tensors from them, and torch reads a
+                # list led by an int past the signed 64-bit range as int64 ("Overflow when unpacking long long").
+                # SGLang 0.5.23 carries sampling params from tokenizer to scheduler as msgspec (srt/managers/
+                # io_struct.py), which cannot hold integers past 64 bits; this stand-in refuses them from 2^63.
+                if not INT64_MIN <= getattr(self, key) <= INT64_MAX:
+                    raise bad(key, "must be a finite number (an integer must fit in a signed 64-bit integer)")
+                setattr(self, key, float(getattr(self, key)))
         for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be a boolean")
@@ -292,6 +301,16 @@ def _seed_for(base: int, sample_index: int) -> int:
     return (int(base) * 1_000_003 + sample_index * 7_919 + 12_345) % (2**63 - 1)
 
 
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the tokenizer's longest vocabulary entry (0 without a tokenizer or vocabulary).
+
+    Byte-level vocabularies spell a byte per character and others a character per character, so
+    a token decodes to at most this many characters of text.
+    """
+    vocab = getattr(tokenizer, "get_vocab", None)
+    return max((len(t) for t in vocab()), default=0) if callable(vocab) else 0
+
+
 class Engine:
     """Loads a causal LM and generates batches of SGLang-style requests on CPU (thread-confined: call from one thread)."""
 
@@ -313,6 +332,7 @@ class Engine:
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path
         self.tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+        self.max_token_chars = longest_token_chars(self.tokenizer)
         self.random_seed = int(random_seed)
         self._seed_gen = torch.Generator().manual_seed(self.random_seed)
         self._max_context_override = max_context_len

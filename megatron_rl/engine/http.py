@@ -8,7 +8,8 @@
   and in time (a body that does not arrive within the read timeout gets a 408 and its connection is
   closed), so no handler can stall on a half-sent upload and the event loop never buffers more than the
   limit. aiohttp's own `client_max_size` enforces the size while reading (a per-request clone carries
-  the route's limit).
+  the route's limit). A body that does not decode as its Content-Encoding says (or ends before its
+  Content-Length) gets a 400 naming the header.
 - `read_json`: the body as a JSON object, parsed on a worker thread when large.
 - `SERVER_LOG`: aiohttp's connection logger (pass it as the request handler's `logger`), with the
   sglang-router's HTTP/2 probe logged at DEBUG: the router opens an HTTP/2 prior-knowledge (h2c)
@@ -20,7 +21,8 @@
   `RequestHandler.handle_error` logs it with a traceback at ERROR) is one WARNING line without traceback, as
   uvicorn's "Invalid HTTP request received.", and at most `BAD_REQUEST_LINES` of them per
   `BAD_REQUEST_WINDOW_S`; the rest are counted in one "suppressed K similar messages" line when their window
-  ends, so a flood of garbage cannot fill a disk. Other errors keep their traceback.
+  ends, so a flood of garbage cannot fill a disk. A client that closes its socket mid-request (ConnectionResetError)
+  gets the same treatment under a limiter of its own. Other errors keep their traceback.
 - `listening_socket` / `write_port_file`: the server binds the port it serves on itself (port 0: one the OS
   picks) and reports it in a file, so a launcher never hands it a probed port another process could take first.
 
@@ -44,6 +46,7 @@ import time
 from typing import Awaitable, Callable, Iterable, Iterator, Optional
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 # Paths SGLang leaves open with --api-key: liveness probes and metrics scrapers carry no secret.
 UNAUTHENTICATED_PREFIXES = ("/health", "/metrics")
@@ -76,9 +79,11 @@ class RateLimitedLines:
     "suppressed K similar messages" line when their window ends (from a timer on the running event loop, or
     with the next line when no loop runs the timer)."""
 
-    def __init__(self, logger: logging.Logger, max_lines: int, window_s: float, clock=time.monotonic) -> None:
-        """Limit lines to `logger`; `clock` gives seconds (injected by tests)."""
+    def __init__(self, logger: logging.Logger, max_lines: int, window_s: float, clock=time.monotonic,
+                 what: str = "malformed HTTP requests") -> None:
+        """Limit lines to `logger`; `what` names the lines in the summary; `clock` gives seconds (injected by tests)."""
         self.logger, self.max_lines, self.window_s, self.clock = logger, max_lines, window_s, clock
+        self.what = what
         self.window_start = float("-inf")
         self.lines = 0
         self.suppressed = 0
@@ -110,14 +115,19 @@ class RateLimitedLines:
         if self.clock() - self.window_start < self.window_s:
             return
         if self.suppressed:
-            self.logger.warning("suppressed %d similar messages in the last %g s (malformed HTTP requests)",
-                                self.suppressed, self.window_s)
+            self.logger.warning("suppressed %d similar messages in the last %g s (%s)",
+                                self.suppressed, self.window_s, self.what)
         self.window_start, self.lines, self.suppressed = self.clock(), 0, 0
 
 
 def one_line(exc: BaseException, max_chars: int = 300) -> str:
     """`Type: message` of an exception on one line (aiohttp's parser errors span several), at most `max_chars`."""
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return clip(f"{type(exc).__name__}: {exc}", max_chars)
+
+
+def clip(text: str, max_chars: int = 300) -> str:
+    """`text` on one line, at most `max_chars` (the end replaced by "..."): what a client sent stays bounded in a log."""
+    text = " ".join(text.split())
     return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
 
 
@@ -129,6 +139,8 @@ class _ServerLog(logging.LoggerAdapter):
         """Wrap aiohttp's server logger."""
         super().__init__(logger, {})
         self.bad_requests = RateLimitedLines(logger, BAD_REQUEST_LINES, BAD_REQUEST_WINDOW_S)
+        self.client_errors = RateLimitedLines(logger, BAD_REQUEST_LINES, BAD_REQUEST_WINDOW_S,
+                                              what="requests whose client closed the connection or sent an unreadable body")
 
     def exception(self, msg, *args, exc_info=True, **kwargs) -> None:  # noqa: D102 - logging.Logger.exception
         from aiohttp.http_exceptions import HttpProcessingError
@@ -141,6 +153,13 @@ class _ServerLog(logging.LoggerAdapter):
         if isinstance(exc, HttpProcessingError):
             where = str(msg) % args if args else str(msg)
             self.bad_requests.log(logging.WARNING, "malformed HTTP request refused (%s): %s", where, one_line(exc))
+            return
+        if isinstance(exc, ConnectionResetError):
+            # the client closed its socket mid-request (while sending its body, or before its answer was written):
+            # nothing on this side is wrong and nobody is left to answer, as uvicorn, which logs nothing for it
+            where = str(msg) % args if args else str(msg)
+            self.client_errors.log(logging.WARNING, "client closed the connection mid-request (%s): %s", where,
+                                   one_line(exc))
             return
         self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
 
@@ -255,6 +274,17 @@ def body_middleware(max_body_bytes: int, read_timeout_s: float,
             await asyncio.wait_for(request.read(), read_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             return _close_after(error_response(too_large, 413))
+        except RequestPayloadError as exc:
+            # aiohttp decodes Content-Encoding itself; a body that is not what its header says (or that ends
+            # before its Content-Length) is the client's error, as a JSON body that does not parse
+            cause = exc.__cause__ or exc
+            SERVER_LOG.client_errors.log(logging.WARNING, "request body of %s %s refused: %s", request.method,
+                                         clip(request.path, 100), one_line(cause))
+            encoding = request.headers.get("Content-Encoding")
+            hint = (f" (Content-Encoding: {clip(encoding, 40)}; send the body encoded so, or without the header)"
+                    if encoding else "")
+            # dropped at once: aiohttp's lingering drain of the rest would re-raise the same error with a traceback
+            return await _send_and_drop(request, error_response(f"request body could not be read: {one_line(cause)}{hint}"))
         except asyncio.TimeoutError:
             return await _send_and_drop(request, error_response(
                 f"request body not received within {read_timeout_s:g} s (--read-timeout-s); closing the connection", 408))

@@ -41,8 +41,8 @@ from megatron_rl.engine.generation import (
     Engine, GenerationOutput, GenerationRequest, InvalidRequest, ModelLoader, SamplingParams,
 )
 from megatron_rl.engine.http import (
-    SERVER_LOG, BadRequest, api_key_middleware, body_middleware, error_response, gc_paused, listening_socket,
-    parse_json_object, read_json, write_port_file,
+    BAD_REQUEST_LINES, BAD_REQUEST_WINDOW_S, SERVER_LOG, BadRequest, RateLimitedLines, api_key_middleware,
+    body_middleware, clip, error_response, gc_paused, listening_socket, parse_json_object, read_json, write_port_file,
 )
 from megatron_rl.engine.validation import (
     DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST, ModelFacts, RequestError, RequestLimits, validate_generate,
@@ -156,6 +156,9 @@ class RolloutServer:
         self._unpaused: Optional[asyncio.Event] = None
         self._abort_epoch = 0
         self._aborted_rids: set[str] = set()
+        self._held_rids: dict[str, int] = {}  # rid -> requests queued or running under it (SGLang's rid_to_state)
+        self._disk_update_errors = RateLimitedLines(log, BAD_REQUEST_LINES, BAD_REQUEST_WINDOW_S,
+                                                    what="failed /update_weights_from_disk requests")
         self._running = 0
         self.batches_run = 0
         self._tasks: list[asyncio.Task] = []
@@ -342,8 +345,18 @@ class RolloutServer:
         assert self._queue is not None
         loop = asyncio.get_running_loop()
         call = [_Pending(request, rid, loop.create_future(), self._abort_epoch) for request, rid in requests]
-        await self._queue.put(call)
-        return list(await asyncio.gather(*(item.future for item in call)))
+        for item in call:
+            self._held_rids[item.rid] = self._held_rids.get(item.rid, 0) + 1
+        try:
+            await self._queue.put(call)
+            return list(await asyncio.gather(*(item.future for item in call)))
+        finally:
+            for item in call:
+                left = self._held_rids.pop(item.rid) - 1
+                if left:
+                    self._held_rids[item.rid] = left
+                else:  # an abort names the requests it found; none is left for it to reach
+                    self._aborted_rids.discard(item.rid)
 
     # ----------------------------------------------------------------------------- handlers
     def _not_ready(self) -> Optional[web.Response]:
@@ -444,9 +457,12 @@ class RolloutServer:
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, job)
         except Exception as exc:
-            msg = f"Failed to update weights from {model_path}: {type(exc).__name__}: {exc}"
-            log.error(msg)
-            return web.json_response({"success": False, "message": msg}, status=400)
+            # the error usually repeats the path: name it once, and keep what a client sent bounded in the log
+            why = f"{type(exc).__name__}: {exc}".replace(model_path, "<model_path>")
+            self._disk_update_errors.log(logging.ERROR, "update_weights_from_disk failed (model_path %s): %s",
+                                         clip(model_path, 200), clip(why, 300))
+            return web.json_response({"success": False, "message": f"Failed to update weights from {model_path}: {why}"},
+                                     status=400)
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": 0})
 
@@ -473,8 +489,10 @@ class RolloutServer:
             return _error(str(exc))
         if body.get("abort_all"):
             self._abort_epoch += 1
-        elif body.get("rid"):
+        elif body.get("rid") and str(body["rid"]) in self._held_rids:
             self._aborted_rids.add(str(body["rid"]))
+        # a rid no request holds is ignored, as SGLang 0.5.23's TokenizerManager.abort_request returns when
+        # rid_to_state has no entry for it (srt/managers/tokenizer_manager.py): a later request with it runs normally
         return web.Response(text="")
 
     async def pause_generation(self, request: web.Request) -> web.Response:

@@ -5,7 +5,8 @@ before anything joins a batch, so a request that passes here can fail at run tim
 the model itself. Everything a request controls is checked: types, NaN/inf (and integers too large
 for a float) in float fields, every token-id field against the vocabulary, `n` and the number of
 sequences per request against the server's limits, prompt and `max_new_tokens` against the
-model's context length (as SGLang's tokenizer manager does). Unknown `sampling_params` keys are
+model's context length (as SGLang's tokenizer manager does; text is first bounded by its length in
+characters, before tokenizing: TEXT_CHARS_PER_TOKEN). Unknown `sampling_params` keys are
 rejected and unknown top-level keys ignored, as in SGLang.
 
     batch = validate_generate(body, ModelFacts.of(engine), RequestLimits(max_n=256))
@@ -20,6 +21,10 @@ from megatron_rl.engine.generation import GenerationRequest, InvalidRequest, Sam
 
 DEFAULT_MAX_N = 256
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 1024
+TEXT_CHARS_PER_TOKEN = 32
+"""Characters of `text` allowed per token of context before tokenizing (at least the longest vocabulary entry):
+text longer than that cannot fit the context, and tokenizing megabytes of it only to refuse it costs
+gigabytes of memory (tokens, offsets and ids are all held at once)."""
 
 
 class RequestError(ValueError):
@@ -56,12 +61,20 @@ class ModelFacts:
     """Context length of the model (prompt + completion)."""
     encode: Optional[Callable[[str], list[int]]] = None
     """Tokenizer for `text` input (None: text is refused)."""
+    max_token_chars: int = 0
+    """Characters of the tokenizer's longest token (the text bound is never below it per token of context)."""
+
+    @property
+    def max_text_chars(self) -> int:
+        """Longest `text` (in characters) tokenized at all; a longer one is refused before tokenizing."""
+        return self.max_context_len * max(TEXT_CHARS_PER_TOKEN, self.max_token_chars)
 
     @classmethod
     def of(cls, engine) -> "ModelFacts":
         """The facts of a loaded `Engine` (read at call time: a weight reload may change them)."""
         return cls(check_request=engine.check_request, max_context_len=engine.max_context_len,
-                   encode=engine.encode if engine.tokenizer is not None else None)
+                   encode=engine.encode if engine.tokenizer is not None else None,
+                   max_token_chars=getattr(engine, "max_token_chars", 0))
 
 
 @dataclass
@@ -141,6 +154,13 @@ def _prompts(body: dict, model: ModelFacts, limits: RequestLimits) -> tuple[list
                            "sequences per request (--max-sequences-per-request)")
     if model.encode is None:
         raise RequestError("text input needs a tokenizer (start the server with --tokenizer-path), or send input_ids")
+    for k, t in enumerate(texts):  # every text before any is tokenized: len() is O(1), tokenizing is not
+        if len(t) > model.max_text_chars:
+            raise RequestError(_where(
+                f"The input ({len(t)} characters) is longer than the model's context length ({model.max_context_len} "
+                f"tokens) can hold: text over {model.max_text_chars} characters is refused before tokenizing "
+                f"({model.max_text_chars // model.max_context_len} characters per token); send a shorter text",
+                k, batched))
     prompts = []
     for k, t in enumerate(texts):
         try:

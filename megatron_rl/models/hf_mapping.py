@@ -10,7 +10,7 @@ the layout given by `te_fused_norms`.
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
@@ -50,8 +50,12 @@ def split_qkv(qkv: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor, torc
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Architecture) -> torch.Tensor:
     """HF q/k/v projections -> megatron grouped linear_qkv."""
-    g, d = arch.num_query_groups, arch.head_dim
-    per = arch.num_attention_heads // g
+    g = arch.num_query_groups
+    return _merge_groups(q, k, v, g, arch.num_attention_heads // g, arch.head_dim)
+
+
+def _merge_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: int, per: int, d: int) -> torch.Tensor:
+    """q/k/v rows of `g` query groups (`per` heads each, head size `d`) -> those groups of the grouped linear_qkv."""
     tail = q.shape[1:]
     merged = torch.cat([q.reshape(g, per * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
     return merged.reshape(g * (per + 2) * d, *tail)
@@ -134,6 +138,42 @@ def to_megatron(hf_sd: Mapping[str, torch.Tensor], arch: Architecture, *, te_fus
         if "mlp.gate_proj.weight" in parts:
             out[prefix + "mlp.linear_fc1.weight"] = torch.cat([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]], dim=0)
     return out
+
+
+def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of piece `index` of torch.chunk(size elements, parts): the TP split megatron's shards use."""
+    step = -(-size // parts)
+    return min(index * step, size), min((index + 1) * step, size)
+
+
+def read_megatron_piece(name: str, full_shape: tuple[int, ...], arch: Architecture, reader,
+                        shard: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+    """This TP rank's piece of the full megatron tensor `name`, read from HF tensors slice by slice (the rest is never read).
+
+    `reader.read(hf_name, dim, start, stop)` gives that HF tensor's [start, stop) along `dim` (dim None: all of it)
+    and `reader.shape(hf_name)` its shape; `shard` = (partition_dim, tp, tp_rank), None for the whole tensor. The
+    piece equals torch.chunk(full, tp, partition_dim)[tp_rank], SwiGLU fc1 as cat(gate_i, up_i) (Learner's layout).
+    """
+    if name == "output_layer.weight" and arch.tie_word_embeddings:
+        name = "embedding.word_embeddings.weight"  # the last stage's copy of a tied embedding
+    parts = [hf for hf, _ in megatron_to_hf(name, torch.empty(full_shape, device="meta"), arch)]
+    if shard is None:
+        whole = [reader.read(hf) for hf in parts]
+        if len(parts) == 3:
+            return merge_qkv(*whole, arch)
+        return torch.cat(whole, dim=0) if len(parts) == 2 else whole[0]
+    dim, tp, rank = shard
+    if len(parts) == 3:  # linear_qkv: TP chunks whole query groups
+        g, d = arch.num_query_groups, arch.head_dim
+        per = arch.num_attention_heads // g
+        if dim != 0 or g % tp:
+            raise MappingError(f"{name}: cannot split {g} query groups over TP={tp} along dim {dim}")
+        mine = g // tp
+        q = reader.read(parts[0], 0, rank * mine * per * d, (rank + 1) * mine * per * d)
+        k, v = (reader.read(hf, 0, rank * mine * d, (rank + 1) * mine * d) for hf in parts[1:])
+        return _merge_groups(q, k, v, mine, per, d)
+    pieces = [reader.read(hf, dim, *chunk_bounds(reader.shape(hf)[dim], tp, rank)) for hf in parts]
+    return torch.cat(pieces, dim=0) if len(pieces) == 2 else pieces[0]  # fc1: cat(gate_i, up_i)
 
 
 def check_complete(sd: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], what: str) -> None:

@@ -41,6 +41,8 @@ class PlanOptions:
     """Per-GPU allowance for the CUDA context, NCCL buffers and allocator fragmentation."""
     engine_nodes: int = 1
     """Nodes running `megatron-rl engines` when disaggregated (rollout.num_engines counts the engines of one node)."""
+    engine_gpu: Optional[str] = None
+    """GPU model of the engines where it differs from the learner's (--engine-gpu); None: rollout.engine_gpu, else the learner's."""
 
 
 @dataclass
@@ -52,7 +54,9 @@ class Layout:
     gpus_per_node: int
     """GPUs per node."""
     device: str
-    """Device model name."""
+    """Device model name of the learner (and of colocated engines)."""
+    engine_device: str
+    """Device model name of the GPU engines (rollout.engine_gpu or --engine-gpu where it differs from the learner's)."""
     placement: str
     """disaggregated | colocated."""
     engine_kind: str
@@ -123,6 +127,8 @@ class Plan:
     """Which layer spec, fusions and overlaps the learner runs on this GPU (trainer/model.py LearnerKernels)."""
     kv_cache_scales: str = "unit"
     """FP8 KV cache scales the engines get: recalibrate (measured, sent with every sync) or unit (precision/kv_scales.py)."""
+    host_memory: Optional[memory.HostMemory] = None
+    """Peak host memory of one learner node during the HF warm start and a checkpoint save (None without learner GPUs)."""
 
     @property
     def ok(self) -> bool:
@@ -142,7 +148,8 @@ class Plan:
         return out
 
 
-def _layout(cfg, nodes: int, gpus_per_node: int, device: DeviceSpec, engine_nodes: int) -> Layout:
+def _layout(cfg, nodes: int, gpus_per_node: int, device: DeviceSpec, engine_nodes: int,
+            engine_device: DeviceSpec) -> Layout:
     """Engines per node x engine nodes (disaggregated: whole nodes of their own; colocated: every node), learner the rest.
 
     rollout.num_engines x engine_tp_size x engine_dp_size are one node's engine GPUs, as `megatron-rl engines` starts
@@ -158,7 +165,8 @@ def _layout(cfg, nodes: int, gpus_per_node: int, device: DeviceSpec, engine_node
         learner_gpus = (nodes - engine_nodes) * gpus_per_node
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     dp = learner_gpus // mp if learner_gpus > 0 and learner_gpus % mp == 0 else 0
-    return Layout(nodes=nodes, gpus_per_node=gpus_per_node, device=device.name, placement=r.placement,
+    return Layout(nodes=nodes, gpus_per_node=gpus_per_node, device=device.name, engine_device=engine_device.name,
+                  placement=r.placement,
                   engine_kind=r.engine, engine_gpus=per_node * engine_nodes,
                   engine_nodes=engine_nodes if r.engine != "embedded" else 0,
                   engine_replicas=r.num_engines * r.engine_dp_size * engine_nodes, learner_gpus=learner_gpus,
@@ -179,14 +187,20 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     arch = resolve_architecture(cfg.model, vocab_size)
     if opt.engine_nodes < 1:
         raise ValueError(f"--engine-nodes must be >= 1, got {opt.engine_nodes}")
-    lay = _layout(cfg, nodes, gpus_per_node, device, opt.engine_nodes)
+    # mixed clusters (H100 learners, B200 engines): the engines' own GPU sets their scales, memory and decode speed
+    engine_device = get_device(opt.engine_gpu or cfg.rollout.engine_gpu or gpu)
+    lay = _layout(cfg, nodes, gpus_per_node, device, opt.engine_nodes, engine_device)
     r, p, t, prec = cfg.rollout, cfg.parallel, cfg.train, cfg.precision
     findings = checks.architecture_checks(arch, lay.tp, lay.pp, lay.vpp)
     findings += checks.fp8_alignment_checks(arch, lay.tp, prec.recipe)
     findings += checks.recipe_device_checks(prec.recipe, device.name, device.compute_capability)
-    engine_cc = None if lay.engine_kind == "embedded" else device.compute_capability  # embedded engines: CPU
+    engine_cc = None if lay.engine_kind == "embedded" else engine_device.compute_capability  # embedded engines: CPU
     scale_fmt = rollout_scale_fmt_for(prec, engine_cc)
-    findings += [Finding("rollout-scales-requantized", "error", f"{e} ({device.name})")
+    if lay.placement == "colocated" and engine_device.name != device.name:
+        findings.append(Finding("engine-gpu-colocated", "error",
+                                f"colocated engines share the learner's {device.name} GPUs, not {engine_device.name}: "
+                                "leave --engine-gpu and rollout.engine_gpu unset (or equal to --gpu)"))
+    findings += [Finding("rollout-scales-requantized", "error", f"{e} ({engine_device.name} engines)")
                  for e in engine_device_errors(prec.model_copy(update={"rollout_scale_fmt": scale_fmt}), engine_cc)]
     findings += checks.allocation_checks(nodes=nodes, gpus_per_node=gpus_per_node,
                                          engine_gpus_per_node=lay.engine_gpus // max(lay.engine_nodes, 1),
@@ -213,6 +227,10 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
         fp8_params=prec.fp8_params, seq_len=seq_len, micro_batch_size=t.micro_batch_size,
         num_microbatches=microbatches, logprob_chunk=p.logprob_chunk_size, kl_reference=cfg.algo.kl.coef > 0,
         overhead_bytes=int(opt.overhead_gib * GIB))
+    host = None
+    if lay.learner_gpus > 0:
+        host = memory.host_memory(arch, lm, tp=lay.tp, ranks_per_node=min(gpus_per_node, lay.learner_gpus),
+                                  params_dtype=cfg.optim.params_dtype)
     usable = device.memory_bytes
     # Without a valid learner layout (no GPUs, or they do not divide) its memory is not meaningful yet.
     if lay.dp > 0 and lm.total() > usable:
@@ -234,12 +252,12 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     if lay.engine_kind != "embedded":
         fraction = r.mem_fraction_static
         if fraction is None:
-            fraction = memory.sglang_default_mem_fraction(device.memory_bytes, r.engine_tp_size)
+            fraction = memory.sglang_default_mem_fraction(engine_device.memory_bytes, r.engine_tp_size)
         em = memory.engine_memory(arch, engine_tp=r.engine_tp_size, fp8_weights=fp8_rollout,
-                                  kv_fp8=prec.kv_cache_dtype == "fp8_e4m3", device_bytes=device.memory_bytes,
+                                  kv_fp8=prec.kv_cache_dtype == "fp8_e4m3", device_bytes=engine_device.memory_bytes,
                                   mem_fraction_static=fraction, concurrent_sequences=concurrent,
                                   tokens_per_sequence=seq_tokens)
-        findings += _engine_findings(em, lay, lm, device, fraction, seq_tokens, r.colocate_offload)
+        findings += _engine_findings(em, lay, lm, engine_device, fraction, seq_tokens, r.colocate_offload)
 
     payload = throughput.weight_sync_bytes(arch, fp8_rollout)
     calib = cfg.algo.calibration
@@ -275,8 +293,9 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     kv_token = em.kv_bytes_per_token if em else memory.kv_bytes_per_token(arch, r.engine_tp_size, False)
     batch = concurrent if em is None else max(1, min(concurrent, em.kv_capacity_tokens // max(seq_tokens, 1)))
     decode = throughput.optional_override(opt.decode_tokens_per_s, throughput.decode_tokens_per_s(
-        per_gpu_weights, kv_token, batch, opt.prompt_tokens + mean_response / 2, device.hbm_bytes_per_s, opt.hbm_efficiency))
-    peak = device.fp8_flops if fp8_rollout else device.bf16_flops
+        per_gpu_weights, kv_token, batch, opt.prompt_tokens + mean_response / 2, engine_device.hbm_bytes_per_s,
+        opt.hbm_efficiency))
+    peak = engine_device.fp8_flops if fp8_rollout else engine_device.bf16_flops
     step = throughput.StepTime(
         rollout=throughput.rollout_seconds(prompts=t.prompts_per_step, samples=samples, prompt_tokens=opt.prompt_tokens,
                                            response_tokens=mean_response, replicas=replicas, engine_gpus=rollout_gpus,
@@ -294,7 +313,7 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                 learner_beside_engines=lm.beside_engines(r.colocate_offload) if lay.placement == "colocated" else 0,
                 recipe=prec.recipe, rollout_quantization=prec.rollout_quantization,
                 rollout_scale_fmt_requested=prec.rollout_scale_fmt, rollout_scale_fmt=scale_fmt,
-                learner_kernels=_learner_kernels(device, p), kv_cache_scales=_kv_cache_scales(cfg))
+                learner_kernels=_learner_kernels(device, p), kv_cache_scales=_kv_cache_scales(cfg), host_memory=host)
 
 
 def _calibration_cost(flops: throughput.LearnerFlops, step: throughput.StepTime, gpus: int, peak_flops: float,

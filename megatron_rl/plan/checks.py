@@ -35,6 +35,7 @@ CODES = {
     "engine-weights-exceed-pool": "the served weights do not fit mem_fraction_static of an engine GPU",
     "kv-cache-below-one-sequence": "the KV cache cannot hold one full-length sequence",
     "colocated-out-of-memory": "learner state + the engine pool exceed the shared GPU",
+    "engine-gpu-colocated": "colocated engines share the learner's GPUs: their GPU model is the learner's",
     "colocated-multi-node": "colocated engines get weights by CUDA-IPC handle (transport=tensor) from one node's learner",
     "engine-gpus-idle": "GPUs on engine nodes that no engine uses",
     "kv-cache-limits-concurrency": "the KV cache holds fewer tokens than the configured concurrency asks",

@@ -188,6 +188,37 @@ def learner_memory(arch: Architecture, *, tp: int, pp: int, vpp: int | None, cp:
     return best
 
 
+def largest_param_shard(arch: Architecture, tp: int) -> int:
+    """Elements of the largest single parameter on one TP rank: max(V h, (a + 2g) d h, 2 f h, a d h, f h) / t (ceil)."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    a, g = arch.num_attention_heads, arch.num_query_groups
+    return -(-max(arch.vocab_size * h, (a + 2 * g) * d * h, 2 * f * h, a * d * h, f * h) // tp)
+
+
+@dataclass
+class HostMemory:
+    """Peak host (CPU) bytes of one learner node while it reads or writes checkpoints (every rank of the node together)."""
+
+    ranks_per_node: int
+    """Learner ranks on one node."""
+    warm_start: int
+    """HF warm start (warm_start.load_initial_weights): per rank one parameter's slice at a time, read through safetensors get_slice, its merged q/k/v or gate/up copy, and the cast to params_dtype."""
+    warm_start_whole_model: int
+    """The same node if every rank read the whole BF16 checkpoint (one model per rank), for comparison."""
+    checkpoint_save: int
+    """A torch_dist save: megatron's FileSystemWriterAsync (dist_checkpointing/strategies/filesystem_async.py preload_tensors) copies each rank's weights and optimizer shard to host before writing."""
+
+
+def host_memory(arch: Architecture, learner: LearnerMemory, *, tp: int, ranks_per_node: int,
+                params_dtype: str) -> HostMemory:
+    """Host bytes per node of the HF warm start (BF16 checkpoint) and of a checkpoint save, from the worst stage's figures."""
+    cast = FP32 if params_dtype == "fp32" else 0  # bf16 -> bf16 is no copy
+    per_rank_read = largest_param_shard(arch, tp) * (2 * BF16 + cast)
+    return HostMemory(ranks_per_node=ranks_per_node, warm_start=ranks_per_node * per_rank_read,
+                      warm_start_whole_model=ranks_per_node * served_weight_bytes(arch, fp8=False),
+                      checkpoint_save=ranks_per_node * (learner.weights + learner.optimizer))
+
+
 @dataclass
 class EngineMemory:
     """Per-GPU bytes of one SGLang engine rank."""

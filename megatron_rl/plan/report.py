@@ -40,7 +40,8 @@ def render(plan: Plan, title: str = "") -> str:
     lines = [f"megatron-rl plan{': ' + title if title else ''}",
              f"allocation: {lay.nodes} node(s) x {lay.gpus_per_node} {lay.device}{_capability(lay.device)} "
              f"({lay.placement}, rollout.engine={lay.engine_kind})",
-             f"  engines: {lay.engine_gpus} GPU(s) on {lay.engine_nodes} node(s), {lay.engine_replicas} replica(s)",
+             f"  engines: {lay.engine_gpus} GPU(s) on {lay.engine_nodes} node(s), {lay.engine_replicas} replica(s)"
+             + (f", on {lay.engine_device}{_capability(lay.engine_device)}" if lay.engine_device != lay.device else ""),
              f"  learner: {lay.learner_gpus} GPU(s) = TP {lay.tp} x PP {lay.pp}{f' (VPP {lay.vpp})' if lay.vpp else ''} "
              f"x CP {lay.cp} x DP {lay.dp}; training sequences {plan.seq_len} tokens",
              f"precision: learner recipe {plan.recipe}; rollout weights {_rollout_weights(plan)}",
@@ -70,6 +71,15 @@ def render(plan: Plan, title: str = "") -> str:
         lines.append(f"  beside the engines  {_gib(lm.beside_engines(offload))}   kept while colocated engines run: weights, FP8 "
                      f"copies, reference, overhead{'' if offload else ', gradients, optimizer states'} "
                      f"(rollout.colocate_offload={str(offload).lower()})")
+    hm = plan.host_memory
+    if hm is not None:
+        lines += [
+            f"learner host memory per node ({hm.ranks_per_node} rank(s) a node; plan/memory.py):",
+            f"  HF warm start       {_gib(hm.warm_start)}   each rank reads only its TP/PP slices, one parameter at a time "
+            f"(every rank reading the whole checkpoint: {_gib(hm.warm_start_whole_model).strip()})",
+            f"  checkpoint save     {_gib(hm.checkpoint_save)}   every rank's weights + optimizer shard staged to host "
+            "[megatron dist_checkpointing filesystem_async.py preload_tensors]",
+        ]
     if em is not None:
         lines += [
             "engine memory per GPU (plan/memory.py):",
@@ -110,6 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, required=True, help="nodes in the allocation")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--gpu", default="h100", choices=sorted(DEVICES), help="device model (default h100)")
+    p.add_argument("--engine-gpu", default=None, choices=sorted(DEVICES),
+                   help="the engines' device model where it differs from --gpu (default: rollout.engine_gpu, else --gpu)")
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help=f"assumed prompt length (default {d.prompt_tokens})")
     p.add_argument("--response-fill", type=float, default=d.response_fill, help="mean response / max_new_tokens (default 1.0)")
     p.add_argument("--mfu", type=float, default=d.mfu, help=f"learner/prefill MFU vs BF16 peak (default {d.mfu})")
@@ -127,7 +139,7 @@ def run(cfg, args, title: str = "") -> int:
     options = PlanOptions(prompt_tokens=args.prompt_tokens, response_fill=args.response_fill, mfu=args.mfu,
                           fp8_speedup=args.fp8_speedup, decode_tokens_per_s=args.decode_tps,
                           hbm_efficiency=args.hbm_efficiency, overhead_gib=args.overhead_gib,
-                          engine_nodes=args.engine_nodes)
+                          engine_nodes=args.engine_nodes, engine_gpu=args.engine_gpu)
     plan = make_plan(cfg, args.nodes, args.gpus_per_node, args.gpu, options)
     print(json.dumps(plan.to_dict(), indent=1, default=str) if args.json else render(plan, title))
     return 0 if plan.ok else 2

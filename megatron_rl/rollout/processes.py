@@ -25,7 +25,9 @@ port the OS picks and writes it to a file in the log directory, which the launch
 health check (its URL, a restart's command and the router's worker list use that port). SGLang engines
 and sglang-router cannot report a port, so they get a probed one, and a start that exits because the
 port was taken (`PORT_TAKEN_SIGNS` in the output of that start) is retried on a fresh port, at most
-`PORT_ATTEMPTS` times. Fixed ports (`base_port` > 0) are the user's layout and never changed. The router's
+`PORT_ATTEMPTS` times. Fixed ports (`base_port` > 0) are the user's layout and never changed: a start that
+finds one taken is tried again on the same port `FIXED_PORT_RETRY_S` later (a previous job's process may still be
+exiting), `PORT_ATTEMPTS` starts in all, then fails naming the port and the fields that fix it. The router's
 metrics exporter always gets a probed port (its default, 29000, is one port for every router on a node): a
 start that panics because that port was taken (`METRICS_PORT_TAKEN`) is started again on the same serving
 port with a fresh metrics port, fixed serving port or not.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import re
@@ -56,6 +59,8 @@ PORT_TAKEN_SIGNS = (re.compile(r"address already in use", re.IGNORECASE),
 """What a start's output says when its port was taken: the OS's EADDRINUSE text, as uvicorn (SGLang's HTTP server),
 Python and Rust (sglang-router) print it, and SGLang's own port wait (python/sglang/srt/utils/network.py:
 wait_port_available, "<name> at <port> is not available in <n> seconds")."""
+FIXED_PORT_RETRY_S = 5.0
+"""Wait before a start on a fixed port that was in use is tried again on the same port."""
 METRICS_PORT_TAKEN = re.compile(r"failed to install Prometheus metrics exporter.*address already in use",
                                 re.IGNORECASE)
 """sglang-router's panic when its --prometheus-port was taken (src/server/startup, metrics::start_prometheus):
@@ -215,8 +220,46 @@ def _http_ok(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
+def _flag(cmd: Sequence[str], name: str) -> Optional[str]:
+    """The value after `name` in a command line (None when absent)."""
+    return cmd[cmd.index(name) + 1] if name in cmd and cmd.index(name) + 1 < len(cmd) else None
+
+
+def launch_identity(cmd: Sequence[str], url: str) -> dict:
+    """What an engine started with `cmd` on `url` reports as its own in /server_info (SGLang's ServerArgs fields,
+    which the embedded engine reports too): model_path, port, random_seed; empty for a command that is no engine's."""
+    model = _flag(cmd, "--model-path")
+    if model is None:
+        return {}
+    want: dict = {"model_path": model, "port": int(url.rsplit(":", 1)[-1])}
+    if (seed := _flag(cmd, "--random-seed")) is not None:
+        want["random_seed"] = int(seed)
+    return want
+
+
+def _answers_as_itself(proc: ManagedProcess) -> tuple[bool, str]:
+    """(whether /server_info at proc.url is the engine `proc` started, description): a process that took the port
+    first answers /health as well, with another model, port or seed (or no /server_info at all)."""
+    want = launch_identity(proc.cmd, proc.url)
+    if not want:
+        return True, ""
+    key = _flag(proc.cmd, "--api-key")
+    req = urllib.request.Request(proc.url + "/server_info", headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=5.0) as resp:
+            info = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return False, f"/health answered but /server_info did not ({type(exc).__name__}: {exc})"
+    got = {k: info.get(k) for k in want} if isinstance(info, dict) else {}
+    if got != want:
+        return False, (f"another process answers on {proc.url}: its /server_info reports {got}, this engine was "
+                       f"started with {want}")
+    return True, ""
+
+
 def wait_healthy(proc: ManagedProcess, path: str, timeout_s: float, poll_s: float = 0.25) -> None:
-    """Poll `proc.url + path` until 2xx; LaunchError (with the log tail) if the process dies or time runs out."""
+    """Poll `proc.url + path` until 2xx from `proc` itself (an engine's /server_info names its launch: model path,
+    port, seed); LaunchError (with the log tail) if the process dies or time runs out."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while True:
@@ -225,7 +268,10 @@ def wait_healthy(proc: ManagedProcess, path: str, timeout_s: float, poll_s: floa
                               f"log tail ({proc.log_path}):\n{proc.log_tail()}")
         ok, last = _http_ok(proc.url + path)
         if ok:
-            return
+            ok, why = _answers_as_itself(proc)
+            if ok:
+                return
+            last = why
         if time.monotonic() >= deadline:
             raise LaunchError(f"{proc.name} ({proc.url}) not healthy after {timeout_s:g} s (last: {last}); "
                               f"log tail ({proc.log_path}):\n{proc.log_tail()}")
@@ -528,13 +574,27 @@ def _until_serving(proc: ManagedProcess, planned: PlannedProcess, host: str, wai
             exited = proc.proc.poll() is not None
             output = proc.start_output() if exited else ""
             metrics_taken = bool(METRICS_PORT_TAKEN.search(output))
-            taken = metrics_taken or (planned.probed and port_taken(output))
+            fixed_taken = not metrics_taken and not planned.probed and port_taken(output)
+            taken = metrics_taken or fixed_taken or (planned.probed and port_taken(output))
             if not taken or planned.command is None:
                 raise
             if attempt == PORT_ATTEMPTS:
+                if fixed_taken:
+                    raise LaunchError(
+                        f"{proc.name}: port {proc.url.rsplit(':', 1)[-1]} on {host} stayed in use by another process "
+                        f"through {attempt} starts {FIXED_PORT_RETRY_S:g} s apart; it is a fixed port (rollout.base_port, "
+                        "ENGINE_BASE_PORT / ROUTER_PORT in the Slurm scripts): stop what holds it, choose other ports, or "
+                        "set rollout.base_port=0 for free ones") from None
                 raise LaunchError(f"{proc.name}: a probed port was taken before it could bind it in {attempt} "
                                   f"starts; {exc}") from None
         serving_port = int(proc.url.rsplit(":", 1)[-1])
+        if fixed_taken:
+            # the user's layout: the same port again, a little later (a previous job's engine may still be exiting)
+            log.warning("%s: its fixed port %d is in use; starting it again on the same port in %g s (%d/%d)",
+                        proc.name, serving_port, FIXED_PORT_RETRY_S, attempt, PORT_ATTEMPTS)
+            time.sleep(FIXED_PORT_RETRY_S)
+            proc.relaunch(planned.command(serving_port), proc.url)
+            continue
         if metrics_taken:
             # the command probes a fresh metrics port each time it is built
             log.warning("%s: its metrics port was taken before it bound it; starting it again", proc.name)

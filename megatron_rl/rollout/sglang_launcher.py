@@ -176,6 +176,15 @@ def launch_sglang_engines(cfg, precision, model_path: str, log_dir: Optional[str
     if engine_capability is None:
         engine_capability = detect_device_facts().capability
     errors = engine_device_errors(precision, engine_capability)
+    if cfg.engine_gpu is not None and engine_capability is not None:
+        from megatron_rl.plan.hardware import get_device
+
+        stated = get_device(cfg.engine_gpu).compute_capability
+        if stated != tuple(engine_capability):
+            # the learner chose the rollout scale format for the stated GPU (config/run.py resolve_for_engines)
+            errors.append(f"rollout.engine_gpu={cfg.engine_gpu} (compute capability {stated[0]}.{stated[1]}) but this "
+                          f"node's GPUs have compute capability {engine_capability[0]}.{engine_capability[1]}: set "
+                          "rollout.engine_gpu to these engines' GPU model, or leave it unset where it is the learner's")
     if errors:
         raise LaunchError("; ".join(errors))
     groups = node_gpu_groups(cfg, visible_gpus, learner_gpus)

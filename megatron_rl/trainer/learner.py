@@ -228,7 +228,7 @@ class Learner:
                 output = model(ids, pos, None)
             return output, lambda logits: loss_builder(logits, index, n_mb, mb)
 
-        return get_forward_backward_func()(
+        outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=self._iterators(items),
             model=self.model,
@@ -237,6 +237,10 @@ class Learner:
             micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
+        # every parameter's forward pre-hook waited on (or dispatched) its bucket's all-gather: nothing is pending,
+        # and a forced finish_param_sync would repeat the full all-gather on every export
+        self._params_pending = False
+        return outputs
 
     def _logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocab-parallel log-probs/entropy of local-layout labels."""
@@ -457,25 +461,39 @@ class Learner:
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Shard a full megatron-named dict onto this rank (every rank passes the same dict) and refresh optimizer copies."""
-        tp, tp_rank = state.tp_size(), state.tp_rank()
         self.finish_param_sync()
         missing = [name for name, _ in self._local_params() if name not in sd]
         if missing:
             raise KeyError(f"load_full_state_dict: missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+        def piece(name: str, shard: Optional[tuple[int, int, int]]) -> torch.Tensor:
+            full = sd[name]
+            if shard is None:
+                return full
+            dim, tp, tp_rank = shard
+            if self._is_gated_fc1(name):
+                gate, up = full.chunk(2, dim=0)
+                return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+            return full.chunk(tp, dim=dim)[tp_rank]
+
+        self.load_pieces(piece, "load_full_state_dict")
+
+    def load_pieces(self, piece: Callable[[str, Optional[tuple[int, int, int]]], torch.Tensor], what: str) -> None:
+        """Copy piece(name, shard) into each local parameter (shard: (partition_dim, tp, tp_rank), None when whole), then refresh optimizer copies.
+
+        Only this rank's share is asked for, one parameter at a time (the sliced HF warm start reads no more); `what`
+        names the source in errors.
+        """
+        tp, tp_rank = state.tp_size(), state.tp_rank()
+        self.finish_param_sync()
         with torch.no_grad():
             for name, param in self._local_params():
-                full = sd[name]
-                if tp > 1 and getattr(param, "tensor_model_parallel", False):
-                    if self._is_gated_fc1(name):
-                        gate, up = full.chunk(2, dim=0)
-                        piece = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
-                    else:
-                        piece = full.chunk(tp, dim=param.partition_dim)[tp_rank]
-                else:
-                    piece = full
-                if tuple(piece.shape) != tuple(param.shape):
-                    raise ValueError(f"load_full_state_dict: {name} has shape {tuple(full.shape)}, which does not shard to {tuple(param.shape)}")
-                param.copy_(piece.to(param.dtype))
+                split = tp > 1 and getattr(param, "tensor_model_parallel", False)
+                got = piece(name, (param.partition_dim, tp, tp_rank) if split else None)
+                if tuple(got.shape) != tuple(param.shape):
+                    raise ValueError(f"{what}: {name} gives {tuple(got.shape)} on TP rank {tp_rank} of {tp}, which is not "
+                                     f"this rank's shard {tuple(param.shape)}")
+                param.copy_(got.to(param.dtype))
         self.optimizer.reload_model_params()
 
     def expected_full_shapes(self) -> dict[str, tuple[int, ...]]:

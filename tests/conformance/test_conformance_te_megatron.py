@@ -258,3 +258,54 @@ def test_recipe_capability_rules_match_the_pinned_te(te_root, capability):
                            ("nvfp4", "nvfp4")):
         assert (recipe_capability_error(recipe, capability) is None) == te_says[te_key], (recipe, capability, te_says)
     assert recipe_capability_error("mxfp4", capability) is not None  # no TE recipe at all
+
+
+# ------------------------------------------------------------------------ megatron-core's imports from TE
+# What megatron-core 0.16.1 imports from TE but the pinned TE no longer defines, each with why it is harmless: the
+# Dockerfile pairs megatron-core 0.16.1 with a TE newer than its tested range (its dev extra: < 2.12) on this evidence.
+MEGATRON_TE_NAMES_ABSENT = {
+    ("transformer_engine.pytorch.attention", "_SplitAlongDim"): "try/except: megatron splits q/k/v with torch.split",
+    ("transformer_engine.pytorch.module.base", "get_workspace"): "try/except: te_general_gemm unset (unused here)",
+    ("transformer_engine.pytorch.attention", "apply_rotary_pos_emb"): "the TE < 2.3 branch (attention.rope's is used)",
+}
+
+
+def megatron_te_imports(root: Path) -> set[tuple[str, str]]:
+    """(TE module, name) of every `from transformer_engine... import name` in megatron-core's source."""
+    out = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("transformer_engine"):
+                out.update((node.module, a.name) for a in node.names)
+    return out
+
+
+def te_defines(te: TeSource, module: str, name: str) -> bool:
+    """Whether TE's `module` has `name`: a definition, a submodule, a module-level assignment or a re-export, or a name
+    it takes from its compiled extension (transformer_engine_torch, not in the Python source)."""
+    if te.lookup(module, name) is not None or te._path(f"{module}.{name}") is not None:
+        return True
+    path = te._path(module)
+    if path is None:
+        return False
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) in (name, "*") for a in node.names):
+            if node.module == "transformer_engine_torch" or any(a.name == "*" for a in node.names):
+                return True
+            if any((a.asname or a.name) == name for a in node.names):
+                return True
+    return False
+
+
+def test_megatron_cores_te_imports_resolve_in_the_pinned_te(te_root):
+    import megatron.core
+
+    wanted = megatron_te_imports(Path(megatron.core.__file__).parent)
+    assert len(wanted) > 30  # the collector sees megatron-core's TE extension module
+    te = TeSource(te_root)
+    absent = {(m, n) for m, n in wanted if not te_defines(te, m, n)}
+    assert absent == set(MEGATRON_TE_NAMES_ABSENT), sorted(absent ^ set(MEGATRON_TE_NAMES_ABSENT))

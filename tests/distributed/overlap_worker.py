@@ -6,7 +6,8 @@ overlap forced on (the GPU settings; the CUDA-only fused kernels stay off), or o
 Reports per rank: step metrics, whether an all-gather was pending after each step, the reference policy's
 log-probs between the steps (its weights swapped in while an all-gather was pending), the full state dict's
 per-tensor sums (gather_full_state_dict, after finish_param_sync) and whether that changed this rank's raw
-parameters, log-probs after the steps, and the DDP / config settings.
+parameters, log-probs after the steps, whether a forward after a third step left an all-gather pending and how many
+forced all-gathers the export after it ran (with its state dict's sums), and the DDP / config settings.
 """
 from __future__ import annotations
 
@@ -55,9 +56,22 @@ def main() -> None:
     full = learner.gather_full_state_dict()  # finish_param_sync first
     raw_after = float(sum(p.detach().double().sum() for p in learner.model[0].parameters()))
     lp, _ = learner.forward_logprobs(mine, 1)
+    # a third step, then a forward: its pre-hooks gather the new parameters, so an export after it gathers nothing again
+    learner.train_step(mine, loss_fn, 1)
+    learner.forward_logprobs(mine, 1)
+    after_forward = learner._params_pending
+    forced = []
+    for chunk in learner.model:
+        def counted(*args, _sync=chunk.start_param_sync, **kwargs):
+            forced.append(bool(kwargs.get("force_sync")))
+            return _sync(*args, **kwargs)
+        chunk.start_param_sync = counted
+    full3 = learner.gather_full_state_dict()
     ddp = learner.model[0].ddp_config
     report({"rank": state.global_rank(), "steps": steps, "pending": pending, "raw_changed": raw_before != raw_after,
             "sums": {k: float(v.double().sum()) for k, v in sorted(full.items())} if full is not None else None,
+            "after_forward": after_forward, "forced_syncs": sum(forced),
+            "sums3": {k: float(v.double().sum()) for k, v in sorted(full3.items())} if full3 is not None else None,
             "reference_sum": float(ref_lp.double().sum()), "logprobs_sum": float(lp.double().sum()),
             "overlap": [ddp.overlap_grad_reduce, ddp.overlap_param_gather],
             "sync_funcs": [learner.config.no_sync_func is not None, learner.config.grad_sync_func is not None]})

@@ -77,18 +77,26 @@ def cuda_ipc_payload_opens_in_another_process() -> None:
 
     t = torch.arange(12, dtype=torch.float32, device=DEVICE).reshape(3, 4) * 0.5
     blob = serialize_named_tensors([("w", t)])
+    # the payload names the GPU by UUID: the reader maps it to its own index first, as every SGLang engine does
+    # (SGLang's monkey_patch_torch_reductions, or the project's equivalent where sglang does not import)
     reader = textwrap.dedent("""
         import base64, io, sys, torch
         from multiprocessing.reduction import ForkingPickler
         import torch.multiprocessing.reductions
+        from megatron_rl.rollout.sync.serialization import patch_torch_reductions
+        patched_by = patch_torch_reductions()
         named = ForkingPickler.loads(base64.b64decode(sys.stdin.read()))
         name, t = named[0]
-        print(name, t.device.type, t.cpu().flatten().tolist())
+        print(name, t.device.type, patched_by, t.cpu().flatten().tolist())
     """)
-    proc = subprocess.run([sys.executable, "-c", reader], input=blob, capture_output=True, text=True, timeout=300)
-    out = proc.stdout.split(maxsplit=2)
-    ok = proc.returncode == 0 and out[:2] == ["w", DEVICE] and json.loads(out[2]) == t.cpu().flatten().tolist()
-    check(f"{'cuda_ipc' if DEVICE == 'cuda' else 'shared_memory'}_handle_read_by_other_process", ok, stderr=proc.stderr[-500:])
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", reader], input=blob, capture_output=True, text=True, timeout=300,
+                          env=env)
+    out = proc.stdout.split(maxsplit=3)
+    ok = proc.returncode == 0 and out[:2] == ["w", DEVICE] and json.loads(out[3]) == t.cpu().flatten().tolist()
+    check(f"{'cuda_ipc' if DEVICE == 'cuda' else 'shared_memory'}_handle_read_by_other_process", ok,
+          patched_by=out[2] if len(out) > 2 else None, stderr=proc.stderr[-500:])
     if DEVICE != "cuda":
         return
     try:

@@ -146,8 +146,9 @@ def test_a_dead_builders_lock_is_broken(tmp_path):
     # a builder of this host that died holding the lock (its pid no longer exists), with its temp directory left
     lock = weights / "launch_fp8-blockwise.lock"
     lock.mkdir(parents=True)
-    (lock / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "token": "x"}))
-    (weights / "launch_fp8-blockwise.tmp-x").mkdir()
+    token = f"{socket.gethostname()}-{dead.pid}-0badf00d"
+    (lock / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "token": token}))
+    (weights / f"launch_fp8-blockwise.tmp-{token}").mkdir()
     t0 = time.monotonic()
     out = write_launch_checkpoint(hf, BLOCKWISE, str(weights), poll_s=0.01)
     assert time.monotonic() - t0 < 60
@@ -196,3 +197,37 @@ def test_a_live_builder_is_waited_for(tmp_path, monkeypatch):
         write_launch_checkpoint(hf, BLOCKWISE, str(weights), poll_s=0.01, stale_after_s=0.5, timeout_s=1.5)
     assert clock.beats >= 1.5 / 0.01  # it waited the whole timeout, seeing the lock alive at every poll
     assert not (weights / "launch_fp8-blockwise").exists()
+
+
+def test_a_live_builders_lock_and_build_directory_are_left_alone(tmp_path):
+    """A builder of this host that is alive keeps its lock however long its heartbeat stalls, and the next lock holder
+    removes only the build directories of builders that are gone (dead here, or another host's whose directory the
+    heartbeat stopped touching for stale_after_s by the filesystem's clock)."""
+    import socket
+
+    hf = _source(tmp_path)
+    weights = tmp_path / "weights"
+    host = socket.gethostname()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        lock = weights / "launch_fp8-blockwise.lock"
+        lock.mkdir(parents=True)
+        (lock / "owner.json").write_text(json.dumps({"host": host, "pid": live.pid, "token": f"{host}-{live.pid}-aa"}))
+        with pytest.raises(TimeoutError, match="launch_fp8-blockwise.lock"):  # no heartbeat, but alive: not broken
+            write_launch_checkpoint(hf, BLOCKWISE, str(weights), poll_s=0.01, stale_after_s=0.2, timeout_s=1.0)
+        assert (lock / "owner.json").exists()
+        (lock / "owner.json").unlink()
+        lock.rmdir()
+        keep = [f"{host}-{live.pid}-11111111", "elsewhere-7-22222222"]  # alive here; another host's, touched now
+        gone = [f"{host}-{dead.pid}-33333333", "elsewhere-8-44444444"]  # dead here; another host's, untouched for long
+        for token in keep + gone:
+            (weights / f"launch_fp8-blockwise.tmp-{token}").mkdir()
+        old = time.time() - 3600
+        os.utime(weights / f"launch_fp8-blockwise.tmp-{gone[1]}", (old, old))
+        write_launch_checkpoint(hf, BLOCKWISE, str(weights), poll_s=0.01, stale_after_s=60)
+        assert sorted(os.listdir(weights)) == sorted(["launch_fp8-blockwise"] + [f"launch_fp8-blockwise.tmp-{t}" for t in keep])
+    finally:
+        live.kill()
+        live.wait()

@@ -122,7 +122,8 @@ class WeightTransport:
         """Release groups and handles."""
 
     def engine_info(self) -> list[dict]:
-        """Per receiver, from SGLang's /server_info (fetched once): {"tp_size", "cpu", "version", "sessions"}; "cpu"
+        """Per receiver, from SGLang's /server_info (fetched once): {"tp_size", "cpu", "version", "sessions",
+        "server_info" (the answer itself)}; "cpu"
         engines need CPU tensors; "sessions" (learned for transports that need them) whether distributed/tensor
         updates must run inside a weight-update session. The route itself is probed first: what answers at `url`
         may not be what /server_info declares (a proxy in front of an engine forwards the engine's version while
@@ -133,7 +134,8 @@ class WeightTransport:
             for url, i in zip(self.urls, infos):
                 has = self._probe_sessions(url, i.get("version")) if self.needs_session else False
                 out.append({"tp_size": int(i.get("tp_size", 1) or 1), "version": str(i.get("version", "")),
-                            "cpu": i.get("device") == "cpu" or i.get("engine") == "embedded-cpu", "sessions": has})
+                            "cpu": i.get("device") == "cpu" or i.get("engine") == "embedded-cpu", "sessions": has,
+                            "server_info": i})
             self._engine_info = out
         return self._engine_info
 

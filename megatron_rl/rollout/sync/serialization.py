@@ -55,6 +55,55 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+def visible_device_uuids() -> list[str]:
+    """UUIDs of the CUDA devices this process sees, in index order (empty without CUDA)."""
+    return [device_uuid(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def device_index_from_uuid(device, uuids: Sequence[str]) -> int:
+    """The index of the device named `device` among `uuids` (an int is an index already), as SGLang's
+    `_device_from_maybe_uuid` maps it (srt/utils/patch_torch.py); ValueError with its message when none matches."""
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        for index, uuid in enumerate(uuids):
+            if uuid == device:
+                return index
+        raise ValueError("Invalid device_uuid=" + device)
+    raise ValueError(f"Unknown type: device_maybe_uuid={device!r}")
+
+
+def _rebuild_cuda_tensor_from_uuid(*args):
+    """torch's rebuild_cuda_tensor with the device argument mapped from a UUID to this process's index."""
+    from torch.multiprocessing import reductions
+
+    if len(args) > DEVICE_ARG and not isinstance(args[DEVICE_ARG], int):
+        args = (*args[:DEVICE_ARG], device_index_from_uuid(args[DEVICE_ARG], visible_device_uuids()), *args[DEVICE_ARG + 1:])
+    return reductions._rebuild_cuda_tensor_original(*args)
+
+
+def patch_torch_reductions() -> str:
+    """Let this process unpickle CUDA tensors that name their device by UUID (what an SGLang engine does first).
+
+    Uses SGLang's own `monkey_patch_torch_reductions` when sglang imports, else the same rebuild-side patch under
+    the same attribute (each applies once); returns which one ("sglang" or "megatron_rl").
+    """
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:
+        monkey_patch_torch_reductions = None
+    if monkey_patch_torch_reductions is not None:
+        monkey_patch_torch_reductions()
+        return "sglang"
+    from torch.multiprocessing import reductions
+
+    if getattr(reductions, "_rebuild_cuda_tensor_original", None) is None:
+        reductions._rebuild_cuda_tensor_original = reductions.rebuild_cuda_tensor
+        # unpickling looks the rebuild up by name (torch.multiprocessing.reductions.rebuild_cuda_tensor)
+        reductions.rebuild_cuda_tensor = _rebuild_cuda_tensor_from_uuid
+    return "megatron_rl"
+
+
 def rebuild_on_device(device: str, rebuild, args):
     """A CPU tensor of a payload that names the device it was sent from (`rebuild(*args)` is torch's own rebuild;
     the engine side maps this name to a check of its visible devices first)."""

@@ -25,14 +25,19 @@ elsewhere.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Optional, Sequence
 
 import torch
 
 from megatron_rl.rollout.client import RolloutClient, run_sync
 from megatron_rl.rollout.colocation import device_identity, own_device_index
+from megatron_rl.rollout.engine_devices import DevicesUnknown, mismatch_message, tp_rank_devices, visible_devices
 from megatron_rl.rollout.sync.base import Bucket, WeightTransport, memory_body
 from megatron_rl.rollout.sync.serialization import payload_devices, serialize_named_tensors, serialize_per_rank
+
+
+log = logging.getLogger(__name__)
 
 
 class SharedArena:
@@ -103,6 +108,41 @@ class TensorWeightSync(WeightTransport):
     def _fed_engine(self) -> dict:
         return dict(zip(self.urls, self.engine_info()))[self.feed.url]
 
+    def engine_visible_devices(self, url: str) -> Optional[tuple[str, ...]]:
+        """The devices engine `url` can open handles of, as it reports them (rollout/engine_devices.py); None: every
+        device, or unknown (logged once). Learned once per target list (a restarted engine is asked again)."""
+        info = dict(zip(self.urls, self.engine_info()))[url]
+        if "visible" not in info:
+            try:
+                info["visible"] = visible_devices(url, info.get("server_info") or {"device": "cpu" if info["cpu"] else None})
+            except DevicesUnknown as exc:
+                log.warning("tensor weight sync: cannot learn which devices engine %s holds (%s); its handles are sent "
+                            "unchecked", url, exc)
+                info["visible"] = None
+        return info["visible"]
+
+    def check_colocated_devices(self, engines: Sequence[tuple[str, Sequence[str]]]) -> None:
+        """ValueError (one line) when an engine's TP ranks hold other devices than the colocated layout `engines`
+        [(url, devices by TP rank)] gives them: its feeders would send handles it cannot open."""
+        for url, expected in engines:
+            visible = self.engine_visible_devices(url)
+            if visible is None:
+                continue
+            info = dict(zip(self.urls, self.engine_info()))[url].get("server_info") or {}
+            try:
+                held = tp_rank_devices(info, visible)
+            except DevicesUnknown as exc:
+                raise ValueError(f"rollout.placement=colocated: engine {url}: {exc}") from None
+            if tuple(held) != tuple(expected):
+                raise ValueError(mismatch_message(url, held, expected, "rollout.placement=colocated"))
+
+    def check_sender_device(self, device: str) -> None:
+        """RuntimeError (one line) when a receiver does not see `device`, the device this sender's handles name."""
+        for url in self.urls:
+            visible = self.engine_visible_devices(url)
+            if visible is not None and device not in visible:
+                raise RuntimeError(mismatch_message(url, visible, [device], "rollout.weight_sync.transport=tensor"))
+
     def rank_payload(self, bucket: Bucket) -> tuple[str, str]:
         """(device name, serialized payload) of this rank's copy of `bucket` for its engine TP rank; RuntimeError when
         the tensors are not on this rank's device (the engine could not open them)."""
@@ -145,11 +185,13 @@ class TensorWeightSync(WeightTransport):
     def send_bucket(self, bucket: Bucket, final: bool) -> None:
         """POST the bucket's handles to every engine (one payload per engine TP rank) and wait for all of them: the
         stage senders' path, for engines that see the sender's device (not colocated ones: `set_feed`)."""
+        # the sender's own device, as a CUDA tensor's handle names it: an engine that does not see it refuses the payload
+        # (SGLang's scheduler exits on it), so that is checked against the engines' own report before anything is sent
+        device = device_identity(own_device_index())
+        self.check_sender_device(device)
         if self.any_cpu_engine():  # a CPU engine cannot open CUDA-IPC handles
             bucket = [(n, t.cpu()) for n, t in bucket]
         tensors = self.arena.place(bucket)
-        # the sender's own device, as a CUDA tensor's handle names it: an engine that does not see it refuses the payload
-        device = device_identity(own_device_index())
 
         async def all_engines() -> None:
             await asyncio.gather(*(
