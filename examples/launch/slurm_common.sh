@@ -4,7 +4,7 @@
 # variables of megatron_rl/plan/launch.py; registers cleanup of the background steps.
 # Settings (all optional): ENGINE_NODES (disaggregated: nodes running engines, the first ones; default 1; each runs
 # rollout.num_engines engines), GPU_KIND (h100|h200|b200, for the plan), ROUTER_PORT (30000), ENGINE_BASE_PORT
-# (30001), ENGINE_STARTUP_TIMEOUT (seconds, 1800), PYTHON (the training environment's python).
+# (30001), ROUTER_START_TRIES (5), ENGINE_STARTUP_TIMEOUT (seconds, 1800), PYTHON (the training environment's python).
 
 gpus=${SLURM_GPUS_ON_NODE:-8}
 gpus=${gpus##*:}          # "h100:8" -> "8"
@@ -38,9 +38,11 @@ for host in "${engine_hosts[@]}"; do
 done
 
 # 3. sglang-router on the first engine node, in front of every worker (weight updates go to the workers). With
-#    rollout.api_key it requires the key from the learners and sends it to the engines (started with it).
+#    rollout.api_key it requires the key from the learners and sends it to the engines (started with it). A port
+#    still held (the previous job's router on a reused node) is tried again, ROUTER_START_TRIES times (5).
 read -ra worker_urls <<< "$WORKER_URLS"
 srun --nodes=1 --ntasks=1 --overlap --nodelist="${engine_hosts[0]}" \
+  bash "$(dirname "${BASH_SOURCE[0]}")/retry_port_in_use.sh" "${ROUTER_START_TRIES:-5}" "$router_port" \
   "$PY" -m sglang_router.launch_router --worker-urls "${worker_urls[@]}" --host 0.0.0.0 --port "$router_port" \
   --policy "$ROUTER_POLICY" ${ROUTER_API_KEY:+--api-key "$ROUTER_API_KEY"} &
 step_pids+=($!)

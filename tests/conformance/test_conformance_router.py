@@ -60,3 +60,60 @@ def test_slurm_router_line_parses_with_router_args():
     args = parse_router_args(line.split())
     assert args.worker_urls == ["http://n0:30001", "http://n0:30002"] and args.policy == "cache_aware"
     assert args.port == 30000 and args.api_key == "k"
+
+
+def _router_on(port: int, tries: int, env: dict) -> "subprocess.Popen":
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        ["bash", str(ROOT / "examples" / "launch" / "retry_port_in_use.sh"), str(tries), str(port), sys.executable,
+         "-m", "sglang_router.launch_router", "--worker-urls", "http://127.0.0.1:9", "--host", "127.0.0.1",
+         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True)
+
+
+def test_the_slurm_router_step_starts_again_on_its_port_once_the_port_is_free():
+    """The real router exits at once on a port in use; the Slurm step's wrapper starts it again on the same port."""
+    import os
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    router = _router_on(port, 5, {**os.environ, "RETRY_WAIT_S": "2"})
+    try:
+        time.sleep(3)  # the first try has exited on the held port by now (0.6 s measured)
+        assert router.poll() is None
+        holder.close()
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert router.poll() is None and time.time() < deadline, "the router never came up on its port"
+                time.sleep(0.5)
+    finally:
+        os.killpg(router.pid, signal.SIGKILL)  # the wrapper and the router it started
+        out = router.communicate(timeout=30)[0]
+    assert "Address already in use" in out and f"port {port} in use (try 1 of 5)" in out
+
+
+def test_the_slurm_router_step_gives_up_on_a_port_that_stays_in_use():
+    import os
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        router = _router_on(port, 2, {**os.environ, "RETRY_WAIT_S": "0"})
+        out = router.communicate(timeout=60)[0]
+    assert router.returncode != 0
+    assert f"port {port} in use (try 1 of 2)" in out and f"port {port} still in use after 2 tries" in out
+    assert "ROUTER_PORT" in out
