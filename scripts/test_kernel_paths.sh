@@ -4,6 +4,7 @@
 #   bash scripts/test_kernel_paths.sh                       # every path, the whole suite (~13 min per path, idle box)
 #   bash scripts/test_kernel_paths.sh -m "not slow"         # extra arguments go to pytest (scripts/test.sh)
 #   PATHS="native plain" bash scripts/test_kernel_paths.sh tests/test_loop.py
+#   PATHS=plain bash scripts/test_kernel_paths.sh -m trajectory   # what CI runs after the suite (.ci/run)
 #
 # Why: a test that asserts on what one machine's kernels produce (sampled tokens, accuracies, which advantage signs
 # a batch holds) passes where it was written and fails on another CPU. Another CPU's kernels are out of reach, but
@@ -56,7 +57,10 @@ for name in "${paths[@]}"; do
     "import torch; print(torch.backends.cpu.get_cpu_capability())" 2>/dev/null)
   result=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)|(passed|failed|error).* in [0-9.]+s" "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
   status=PASSED
-  if [ "$rc" -ne 0 ]; then status="FAILED (rc=$rc)"; failed=$((failed + 1)); fi
+  if [ "$rc" -ne 0 ]; then
+    status="FAILED (rc=$rc)"; failed=$((failed + 1))
+    echo "--- $name: failures (full log $log)"; grep -E "^(FAILED|ERROR) " "$log" | head -40; tail -n 30 "$log"
+  fi
   line="$name [ATen ${capability:-?}; ${SETTINGS[$name]:-nothing set}]: $status, ${result:-no pytest summary, see $log} ($(( $(date +%s) - start )) s)"
   lines+=("$line")
   echo "$line"

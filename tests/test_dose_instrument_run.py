@@ -23,6 +23,7 @@ kernels at bounds 1 -/+ 0.05, more at 1 -/+ 0.01)."""
 
 
 @pytest.mark.slow
+@pytest.mark.trajectory
 def test_two_steps_with_the_instrument_and_calibration(tmp_path_factory, tmp_path):
     warm = warm_start(tmp_path_factory)
     run_dir = tmp_path / "run"
@@ -56,6 +57,7 @@ def high_precision_decision_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.trajectory
 def test_a_high_precision_clip_decision_through_the_loop(high_precision_decision_run):
     """algo.policy_loss.clip_decision=high_precision: a low-precision run whose every update clips exactly the tokens
     its high-precision ratios put outside the bounds (the loss's clip fractions are the high-precision ones, step by
@@ -70,6 +72,7 @@ def test_a_high_precision_clip_decision_through_the_loop(high_precision_decision
 
 
 @pytest.mark.slow
+@pytest.mark.trajectory
 def test_the_default_decision_rule_through_the_loop_is_the_high_precision_clip_decision(tmp_path_factory, tmp_path,
                                                                                          high_precision_decision_run):
     """algo.calibration.strength=decision (the default; NVFP4, a calibration event every step): every step from the

@@ -79,6 +79,7 @@ def test_every_agg_mode_trains_two_steps(runs, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.trajectory
 def test_the_agg_modes_train_different_losses_on_the_same_batch(runs):
     """Step 0 of every agg_mode case trains on the same rollouts (same warm start, seed and engine), so a mode the
     loss ignored would log the same loss as another: every pair must differ by far more than last bits."""
@@ -148,6 +149,7 @@ def test_overflowing_lr_never_syncs_broken_weights_and_stops_after_consecutive_s
 
 
 @pytest.mark.slow
+@pytest.mark.trajectory
 def test_policy_collapsed_to_uniform_is_caught_before_its_weights_leave(runs):
     error, rows = _stopped(runs, "collapse")
     assert "train.health.max_entropy_frac=0.9" in error and "the policy collapsed" in error
@@ -157,6 +159,7 @@ def test_policy_collapsed_to_uniform_is_caught_before_its_weights_leave(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.trajectory
 def test_collapse_toward_deterministic_stops_before_the_weights_leave(runs):
     """optim.lr=2.0 from the warm start drives the entropy toward 0 within a step or two (which step depends on the CPU's
     kernels): whenever the probe catches the one-step fall, that step's updated weights never reach the engine, and

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.engine.testing import ThreadedServer, make_tiny_model
@@ -35,6 +36,7 @@ def test_deterministic_samples_do_not_depend_on_co_batched_requests(tmp_path):
             assert [r.logprobs for r in alone] == [r.logprobs for r in together[k]]  # bitwise
 
 
+@pytest.mark.trajectory
 def test_deterministic_engine_generates_one_batched_call_as_one_batch(tmp_path):
     """A call packing several prompts runs as one batch, repeats bit for bit, matches the prompts sent alone up to
     float rounding (left padding), and is never merged with a concurrent call."""

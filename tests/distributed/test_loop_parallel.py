@@ -42,7 +42,7 @@ import pytest
 from calibration_spec import check_run_dumps
 from rl_runs import comparable, tiny_overrides, train, warm_start
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.trajectory]
 STEPS = 3
 # constant lr: the PP=2 run is stopped by train.steps=1 and resumed with train.steps=3, and a decaying schedule is
 # re-planned over the new total on resume (tests/test_checkpoint.py), which an uninterrupted run never does
