@@ -20,7 +20,7 @@ class PrecisionConfig(StrictConfig):
     fp8_format: Literal["e4m3", "hybrid"] = "hybrid"
     """FP8 recipes: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 output gradients in backward). FP4 recipes ignore it."""
     first_last_layers_high_precision: NonNegativeInt = 0
-    """Keep this many (>= 0) transformer layers at each end of the stack in high precision. Default 0 for every recipe (all layers quantized); NVIDIA's NVFP4 recipe keeps the first and especially the last layers in BF16: set it for deep models (the 2-layer tiny model would have no FP4 layer left)."""
+    """Transformer layers (>= 0) kept in high precision at each end of the stack; 0 quantizes every layer. NVIDIA's NVFP4 recipe keeps the first and last layers in BF16: set it for deep models."""
     fp8_params: bool = False
     """Store learner parameters in FP8 (nvfp4: FP4) (GPU only; TE fp8_model_init / quantized_model_init, megatron fp8_param / fp4_param)."""
     amax_history_len: PositiveInt = 1
@@ -38,7 +38,7 @@ class PrecisionConfig(StrictConfig):
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     """KV-cache dtype of the rollout engines: SGLang's --kv-cache-dtype; embedded engines emulate fp8_e4m3 (E4M3 K/V with each layer's per-tensor scales)."""
     kv_cache_scales: Literal["auto", "recalibrate", "unit"] = "auto"
-    """FP8 KV cache scales: recalibrate (the learner measures each layer's K/V amax on the step's old-log-prob forward; every weight sync carries the scales), unit (SGLang's default 1.0 everywhere, kept to measure against); auto = recalibrate when kv_cache_dtype=fp8_e4m3, except with rollout_quantization=fp8-channel (SGLang's w8a8_fp8 loads no K/V scales: unit); precision/kv_scales.py."""
+    """FP8 KV cache scales: recalibrate (per-layer K/V amax measured on the old-log-prob forward, sent with every weight sync) or unit (1.0 everywhere, SGLang's default). auto = recalibrate when kv_cache_dtype=fp8_e4m3, unit with rollout_quantization=fp8-channel; see precision/kv_scales.py."""
     kv_cache_scale_window: PositiveInt = 4
     """recalibrate: a scale covers the max K/V amax of the last this many (>= 1) steps."""
     kv_cache_scale_headroom: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)

@@ -72,7 +72,7 @@ class WeightSyncConfig(StrictConfig):
     timeout_s: PositiveFloat = 300.0
     """Bound (seconds, > 0) of one weight-update request, the group rendezvous and each broadcast (engines get it too)."""
     master_address: Optional[str] = None
-    """Address engines reach the stage sender on this address's host at (a sender on another host, e.g. stage 1 of a PP = 2 run across nodes, advertises its own); default: 127.0.0.1 if every engine is local, else the address of this host's interface that routes to the engines; loopback with a remote engine is an error."""
+    """Address at which engines reach the weight sender on this host (a sender on another host advertises its own). None = 127.0.0.1 when every engine is local, else this host's interface that routes to the engines (loopback with a remote engine is an error)."""
     master_port: int = Field(0, ge=0, le=65535)
     """Port (0-65535) of stage 0's weight-update group (stage k uses master_port + k); 0 = each sender's own listening socket on a port the OS picks."""
     group_name: str = "weight_update_group"
@@ -140,7 +140,7 @@ class RolloutConfig(StrictConfig):
     concurrency: PositiveInt = 8
     """Maximum in-flight HTTP requests per client (>= 1)."""
     sequences_per_request: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
-    """Samples (prompts x n, 1-1024) one batched /generate call may carry, whole prompts packed in order; None = 256 for embedded engines without a router (a deterministic embedded engine generates one call as one batch), else 1, one prompt per call (SGLang batches across calls itself, and the router spreads prompts over engines). Above 1 needs engines addressed directly: sglang-router 0.3.2 takes one sampling_params per call, and every prompt carries its own sampling_seed."""
+    """Samples (prompts x n, 1-1024) one batched /generate call may carry, whole prompts packed in order; None = 256 for embedded engines without a router, else 1 (one prompt per call). Above 1 needs engines addressed directly: the router takes one sampling_params per call."""
     request_timeout_s: PositiveFloat = 120.0
     """Timeout of one HTTP request (seconds, > 0)."""
     max_retries: NonNegativeInt = 3
@@ -156,7 +156,7 @@ class RolloutConfig(StrictConfig):
     api_key: Optional[str] = None
     """Bearer key of the engines (SGLang's --api-key): embedded engines are started with it and every request sends it."""
     deterministic_inference: bool = True
-    """Reproducible rollouts: embedded engines generate each /generate call as a batch of its own (never co-batched with other calls), so samples depend only on (weights, the call's prompts, seeds), and the client packs calls the same way every time (needed for exact resume and DP/TP-invariant runs); SGLang engines we launch get --enable-deterministic-inference, batch-invariant outright (external ones must be started with it)."""
+    """Reproducible rollouts (exact resume, DP/TP-invariant runs): embedded engines generate each /generate call as its own batch and the client packs calls the same way every time. SGLang engines we launch get --enable-deterministic-inference (start external ones with it)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -57,7 +57,7 @@ class TrainConfig(StrictConfig):
     micro_batch_size: PositiveInt = 16
     """Sequences per forward/backward micro-batch on each data-parallel rank (>= 1)."""
     old_logprob_batches: Literal["update", "rollout"] = "update"
-    """Micro-batches of the pi_old forward: update = the ones the step's first epoch trains on (same rows, order and DP shard), so per-tensor scales (FP8 tensorwise, NVFP4's global scale) see the same tensors and pi_old equals the first update's pi_theta bit for bit; rollout = rollout order (before 2026-12-04), where the scales change with the composition and add ratio noise."""
+    """Micro-batches of the pi_old forward: update = those the step's first epoch trains on (same rows, order and DP shard), so pi_old equals the first update's pi_theta bit for bit under per-tensor scales. rollout = rollout order, where per-tensor scales change with the batch and add ratio noise."""
     eval_every: NonNegativeInt = 0
     """Greedy held-out evaluation every N steps (>= 0; 0: only before and after the run)."""
     eval_max_prompts: NonNegativeInt = 200
