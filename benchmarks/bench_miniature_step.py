@@ -10,7 +10,15 @@ engine launch and the two held-out greedy evaluations), and the new/old ratios; 
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_miniature_step.py [--baseline 52507c3] [--new HEAD] [--steps 12] [--rounds 1]
 
-The warm start is the study's own (outputs/studies/deep_addtrace_grpo/warm_start, made by its SFT when absent).
+With `--baseline none` only this tree runs and the arms are compared with each other instead (each arm's median
+step over the first arm's, arms interleaved and their order reversed every other round), e.g. consistent scales
+against vanilla FP8 tensorwise:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_miniature_step.py --baseline none \
+        --spec examples/studies/deep_addtrace_consistent_scales.yaml --arms fp8_tensorwise fp8_tensorwise_consistent --rounds 2
+
+The warm start is the study's own (outputs/studies/deep_addtrace_grpo/warm_start, or --spec's; made by its SFT when
+absent).
 Report the load average printed at the end with the ratios: the box is shared.
 """
 from __future__ import annotations
@@ -62,7 +70,8 @@ def run_once(tree: Path, study, arm: str, seed: int, warm: list[str], steps: int
         raise SystemExit(f"{arm} in {tree} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     step_times = [r["time/step"] for r in rows if "time/step" in r]
-    return {"step_times": step_times, "wall": wall}
+    phase_times = {k: [r[k] for r in rows if k in r] for k in ("time/logprobs", "time/train")}
+    return {"step_times": step_times, "wall": wall, "phase_times": phase_times}
 
 
 def reuse_or_make_warm_start(study, prepare) -> list[str]:
@@ -73,6 +82,46 @@ def reuse_or_make_warm_start(study, prepare) -> list[str]:
     if init and (Path(json.loads(init[0].split("=", 1)[1])) / "model.safetensors").exists():
         return warm
     return prepare(study)
+
+
+def absolute_warm_start(study) -> list[str]:
+    """The study's warm-start overrides with absolute paths (runs start in another working directory)."""
+    from megatron_rl.study.runner import prepare_warm_start
+
+    return [o if not o.startswith(("data.", "model.init_checkpoint")) else
+            o.split("=", 1)[0] + "=" + json.dumps(str(Path(json.loads(o.split("=", 1)[1])).resolve()))
+            for o in reuse_or_make_warm_start(study, prepare_warm_start)]
+
+
+def compare_arms(args) -> None:
+    """--baseline none: the arms of --spec in this tree, interleaved; each arm's median step over the first arm's."""
+    from megatron_rl.study import load_study
+
+    os.chdir(ROOT)
+    study = load_study(args.spec)
+    warm = absolute_warm_start(study)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    times: dict[str, list[float]] = {arm: [] for arm in args.arms}
+    phases: dict[str, dict[str, list[float]]] = {arm: {} for arm in args.arms}
+    for rnd in range(args.rounds):
+        for arm in (args.arms if rnd % 2 == 0 else list(reversed(args.arms))):
+            out = run_once(ROOT, study, arm, args.seed, warm, args.steps, work / f"arm_{arm}_r{rnd}", args.eval_prompts)
+            counted = out["step_times"][2:] or out["step_times"]
+            times[arm] += counted
+            for key, values in out["phase_times"].items():
+                phases[arm].setdefault(key, []).extend(values[2:] or values)
+            print(f"round {rnd} {arm:28s}: step {statistics.median(counted):.3f} s, run {out['wall']:.1f} s, "
+                  f"load {' '.join(Path('/proc/loadavg').read_text().split()[:3])}", flush=True)
+    first = args.arms[0]
+    keys = sorted({k for arm in args.arms for k in phases[arm]})
+    print(f"\n{'arm':28s} {'step s':>8s} {'/' + first[:12]:>14s}   " + " ".join(f"{k[5:]:>10s}" for k in keys))
+    for arm in args.arms:
+        med = statistics.median(times[arm])
+        cells = " ".join(f"{statistics.median(phases[arm][k]):10.3f}" if phases[arm].get(k) else f"{'':>10s}" for k in keys)
+        print(f"{arm:28s} {med:8.3f} {med / statistics.median(times[first]):14.3f}   {cells}")
+    print("(median over the steps after the first two of every round; phase columns: median seconds of time/<phase>)")
+    print("load average:", " ".join(Path("/proc/loadavg").read_text().split()[:3]))
 
 
 def main() -> None:
@@ -86,16 +135,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS, help="prompts of each greedy evaluation")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_miniature_step"))
+    ap.add_argument("--spec", type=Path, default=SPEC, help="study spec whose arms, warm start and base config are run")
     args = ap.parse_args()
+    if args.baseline == "none":
+        return compare_arms(args)
 
     from megatron_rl.study import load_study
-    from megatron_rl.study.runner import prepare_warm_start
 
     os.chdir(ROOT)  # the spec's output_dir (and so the shared warm start) is relative to the repository root
-    study = load_study(SPEC)
-    warm = [o if not o.startswith(("data.", "model.init_checkpoint")) else
-            o.split("=", 1)[0] + "=" + json.dumps(str(Path(json.loads(o.split("=", 1)[1])).resolve()))
-            for o in reuse_or_make_warm_start(study, prepare_warm_start)]
+    study = load_study(args.spec)
+    warm = absolute_warm_start(study)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     trees = {"new": worktree(args.new, work / "new_tree") if args.new else ROOT,
