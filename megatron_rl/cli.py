@@ -12,6 +12,7 @@
     megatron-rl convert hf-to-fp8 HF FP8 | megatron-to-fp8 MG FP8   # FP8 blockwise HF checkpoint for SGLang
     megatron-rl plan CONFIG --nodes N [--gpus-per-node G] [--gpu h100|h200|b200]   # check + estimate a layout
     megatron-rl config [CONFIG]     # print the resolved config, or every field with its doc
+    megatron-rl config --reference > docs/config.md   # the Markdown config reference
     megatron-rl study SPEC.yaml [--report-only] [--arms A B]   # arms x seeds from one warm start -> RESULTS.md + plots
     megatron-rl study SPEC.yaml --hp-measure [--hp-steps late|all] [--hp-own]   # finished runs' weights in high precision
     megatron-rl hp-measure RUN_DIR [--steps final|all|N,M] [--own]   # one run: RUN_DIR/hp_measure.json
@@ -75,11 +76,16 @@ def cmd_data(args) -> int:
 
 
 def cmd_config(args) -> int:
-    """Print the resolved config (YAML) or, with --fields, every field and its one-line doc."""
+    """Print the resolved config (YAML); --fields: every field and its one-line doc; --reference: docs/config.md."""
     import yaml
 
     from megatron_rl.config import RunConfig
 
+    if args.reference:
+        from megatron_rl.config.reference import render_reference
+
+        sys.stdout.write(render_reference())
+        return 0
     if args.fields:
         _print_fields(RunConfig, "")
         return 0
@@ -218,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help=cmd_config.__doc__, description=cmd_config.__doc__)
     _add_config_args(p)
     p.add_argument("--fields", action="store_true", help="list every config field with its documentation")
+    p.add_argument("--reference", action="store_true",
+                   help="print the Markdown config reference (megatron-rl config --reference > docs/config.md)")
     p.set_defaults(fn=cmd_config)
     p = sub.add_parser("engines", help=cmd_engines.__doc__, description=cmd_engines.__doc__)
     _add_config_args(p)
