@@ -1,4 +1,4 @@
-"""What measuring the FP8 KV cache scales costs (issue 26 item 5): the step's old-log-prob forward with and without the
+"""What measuring the FP8 KV cache scales costs: the step's old-log-prob forward with and without the
 K/V amax probe (trainer/kv_scales.py), and the MAX all-reduce of its [L, 2] result, side by side in one process.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_kv_amax.py examples/configs/tiny_fp8_grpo.yaml [--rounds 7] \

@@ -1,6 +1,6 @@
 """RL step time of the deep miniature, this tree against an older commit, side by side in one run.
 
-Issue 27's targets for the speed-up: the high-precision and FP8 steps each <= 0.5x the old ones, and the FP8
+Targets of the step speed-up: the high-precision and FP8 steps each <= 0.5x the old ones, and the FP8
 tensorwise step <= 1.5x the high-precision step. For every arm (hp, fp8_tensorwise, nvfp4 by default) it runs the
 same short `megatron-rl train` of examples/studies/deep_addtrace_grpo.yaml (same warm start, seed and overrides)
 once with this tree's code and once with the baseline commit's (a git worktree, imported first through

@@ -1,4 +1,4 @@
-"""The quantizers before and after issue 27's speed-up, side by side in one run: old/new ratios per operation.
+"""The quantizers before and after their speed-up, side by side in one run: old/new ratios per operation.
 
     PYTHONPATH=. python benchmarks/bench_quantizers.py [--tokens 512 --hidden 64 --ffn 256 --rows 16 --rounds 7]
 

@@ -1,4 +1,4 @@
-"""/health latency of an embedded rollout server while large /generate bodies arrive (issue 13: /health
+"""/health latency of an embedded rollout server while large /generate bodies arrive (/health
 must answer within 1 s under a large upload).
 
 Starts one engine (tiny random Qwen3, its own process, as the launcher runs it), then for each body

@@ -110,7 +110,7 @@ def test_mode_can_be_suspended(enabled):
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
 
 
-# ------------------------------------------------------------------ where the mode is lifted (issue 27 item 1)
+# ------------------------------------------------------------------ where the mode is lifted
 class _Recording(torch.overrides.TorchFunctionMode):
     """A plain mode that counts the torch calls reaching it."""
 

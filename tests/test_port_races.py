@@ -1,4 +1,4 @@
-"""No port race (issue 25 item 8): a port probed free and bound later can be taken in between by another process.
+"""No port race: a port probed free and bound later can be taken in between by another process.
 
 Each test holds the port a probe returns (the probe is monkeypatched to hand out a port this test keeps
 listening on) and the start still succeeds: the embedded engine binds port 0 itself and reports its port

@@ -1,4 +1,4 @@
-"""Fuzz of the embedded server's HTTP surface with hypothesis (issue 13 item 7).
+"""Fuzz of the embedded server's HTTP surface with hypothesis.
 
 Generated bodies (field-aware /generate bodies with hostile values: NaN/inf, huge and negative
 integers, out-of-vocabulary ids, wrong types, unknown keys; arbitrary JSON; raw bytes) are sent to one

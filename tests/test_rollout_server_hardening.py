@@ -1,4 +1,4 @@
-"""Embedded server under hostile input (issue 13 item 2, issue 10 item 7, issue 12 item 6): each case that
+"""Embedded server under hostile input: each case that
 failed once is replayed here: a bad request fails alone with its own 4xx and its batch-mates succeed;
 bodies are bounded in size and time; --api-key guards every endpoint but /health; `serve` finds the
 tokenizer in the model directory."""

@@ -1,4 +1,4 @@
-"""Where a `distributed` weight-sync sender advertises its update group (issue 25 item 7).
+"""Where a `distributed` weight-sync sender advertises its update group.
 
 Each pipeline stage's sender resolves its own address on its own host (rollout/sync/distributed.py:
 sender_address): rollout.weight_sync.master_address only where it is an address of that host, else the address

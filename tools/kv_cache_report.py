@@ -1,4 +1,4 @@
-"""Cross-study table of the FP8 KV-cache studies (issue 26 item 5): mismatch, reward, accuracy and the k3 KL target.
+"""Cross-study table of the FP8 KV-cache studies: mismatch, reward, accuracy and the k3 KL target.
 
     python tools/kv_cache_report.py examples/studies/kv_cache_*.yaml --out docs/studies/kv_cache/KV_CACHE.md
 

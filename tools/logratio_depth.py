@@ -1,4 +1,4 @@
-"""Low-precision log-prob / log-ratio error against model depth and position in the answer (issue 18).
+"""Low-precision log-prob / log-ratio error against model depth and position in the answer.
 
     python tools/logratio_depth.py examples/configs/deep_addtrace_base.yaml --out runs/depth_error \
         [--depths 2 4 8 16] [--recipes tensorwise blockwise nvfp4] [--seed 1] [--prompts 16] [--samples 8]

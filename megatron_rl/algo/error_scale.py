@@ -1,4 +1,4 @@
-"""The dose-response instrument's ratio (experiment only; algo.experimental.clip_error_scale, issue 18).
+"""The dose-response instrument's ratio (experiment only; algo.experimental.clip_error_scale).
 
     r_k = r_hp * (r_lp / r_hp)^k,   i.e.   log r_k = log r_lp + (k - 1) * (log r_lp - log r_hp)
 

@@ -97,7 +97,7 @@ PRESETS: dict[str, Architecture] = {
         Architecture("tiny", "qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                      num_query_groups=2, head_dim=16, vocab_size=256, max_seq_len=128, rope_theta=10000.0,
                      norm_eps=1e-6, qk_layernorm=True, tie_word_embeddings=False),
-        # the deep miniature (issue 18): depth over width, so low-precision error has layers to compound through
+        # the deep miniature: depth over width, so low-precision error has layers to compound through
         Architecture("tiny-deep", "qwen3", num_layers=8, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
                      num_query_groups=2, head_dim=16, vocab_size=256, max_seq_len=64, rope_theta=10000.0,
                      norm_eps=1e-6, qk_layernorm=True, tie_word_embeddings=False),

@@ -1,4 +1,4 @@
-"""One table across FP8 KV-cache studies (issue 26 item 5): per study and arm the train-vs-rollout mismatch
+"""One table across FP8 KV-cache studies: per study and arm the train-vs-rollout mismatch
 (|dlogp|, k3 KL, token_mult_prob_error), reward, held-out accuracy and the KV-scale measurement's share of a step,
 with each arm's k3 KL against its study's reference arm (the BF16 cache) seed by seed, and whether the target
 (recalibrated FP8 KV at most `K3_TARGET` x the BF16 cache's k3 KL, in every seed) holds.
@@ -16,7 +16,7 @@ from typing import Sequence
 from megatron_rl.study import results
 
 K3_TARGET = 1.1
-"""Recalibrated FP8 KV may add at most 10% to the BF16 cache's train-vs-rollout k3 KL (issue 26)."""
+"""Recalibrated FP8 KV may add at most 10% to the BF16 cache's train-vs-rollout k3 KL (the target of the KV-cache studies)."""
 
 COLUMNS = ("train-vs-rollout |dlogp|", "train-vs-rollout k3 KL", "token_mult_prob_error", "reward (mean)",
            "held-out accuracy after RL", "KV-scale measurement, share of a step")

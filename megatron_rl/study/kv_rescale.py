@@ -1,5 +1,5 @@
-"""A function-preserving rescaling of an HF warm start that moves its V (and so its FP8 KV cache entries) by a factor
-(issue 26 item 5): every layer's `v_proj` (weight and bias) times `factor`, its `o_proj` weight divided by it.
+"""A function-preserving rescaling of an HF warm start that moves its V (and so its FP8 KV cache entries) by a factor:
+every layer's `v_proj` (weight and bias) times `factor`, its `o_proj` weight divided by it.
 
 Attention output is softmax(q k^T) V: each head's output scales with its V, and `o_proj` is linear in the heads'
 outputs, so o_proj(attn(V * f)) / f = o_proj(attn(V)): the same model in exact arithmetic (floating point changes the

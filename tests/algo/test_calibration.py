@@ -203,7 +203,7 @@ def test_clipper_targets_bounds_and_state_round_trip():
     m = c.metrics()
     assert m["calib/alpha_achieved"] == pytest.approx(m["calib/alpha_target"], abs=1 / 900)
     assert CalibratedClipper.solution_metrics(sol)["calib/solve_lower"] == want[0]
-    # a resumed clipper logs exactly what the original logs (issue 13: achieved alpha/rho too) and holds its bounds
+    # a resumed clipper logs exactly what the original logs (achieved alpha/rho too) and holds its bounds
     c2 = CalibratedClipper(_cfg(calibrate_every=5, smoothing=0.0), eps_low=0.2, eps_high=0.28)
     c2.load_state_dict(c.state_dict())
     assert c2.metrics() == m and c2.targets == c.targets and c2.last == c.last

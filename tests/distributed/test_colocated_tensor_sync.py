@@ -1,4 +1,4 @@
-"""Colocated tensor sync with two engines and PP=2 (issue 25 item 1), on gloo: each engine sees only its own device.
+"""Colocated tensor sync with two engines and PP=2, on gloo: each engine sees only its own device.
 
 Two embedded engines stand in for colocated SGLang engines on two GPUs: engine e is started with
 --visible-devices cpu:e and refuses a payload naming another device with SGLang's "Invalid device_uuid=...".

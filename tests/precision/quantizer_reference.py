@@ -1,4 +1,4 @@
-"""The quantizers as they were before the speed-up of issue 27 (megatron_rl/precision at commit 1870038), kept as the oracle.
+"""The quantizers as they were before their speed-up (megatron_rl/precision at commit 1870038), kept as the oracle.
 
 tests/precision/test_quantizer_speedup.py checks that the faster implementations in
 megatron_rl/precision give these functions' bits on random and special inputs, and

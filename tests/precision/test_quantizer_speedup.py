@@ -1,4 +1,4 @@
-"""The faster quantizers of issue 27 give the old implementations' bits (tests/precision/quantizer_reference.py).
+"""The faster quantizers give the old implementations' bits (tests/precision/quantizer_reference.py).
 
 Every comparison is bitwise: equal int32 patterns wherever the old result is a number (so -0.0 and
 +0.0 differ), NaN exactly where the old result is NaN. Inputs mix random magnitudes over many
