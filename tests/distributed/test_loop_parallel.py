@@ -69,7 +69,9 @@ def _assert_same(reference: list[dict], other: list[dict], name: str) -> None:
         for key, want in ref.items():
             have = got[key]
             if isinstance(want, float) and isinstance(have, float):
-                assert math.isclose(have, want, rel_tol=1e-5, abs_tol=1e-5), \
+                # a layout sums in another order (CP's split attention, TP's reduce-scatter, DP's all-reduce): fp32
+                # figures such as the grad norm move by ~1e-5 relative (1.4e-5 seen for CP=2 on ATen's AVX2 path)
+                assert math.isclose(have, want, rel_tol=1e-4, abs_tol=1e-5), \
                     f"{name} step {ref['step']}: {key} = {have}, single process {want}"
             else:
                 assert have == want, f"{name} step {ref['step']}: {key} = {str(have)[:200]}, single process {str(want)[:200]}"
