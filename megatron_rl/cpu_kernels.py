@@ -7,7 +7,7 @@ decade has: ATen's own AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2`) and MKL's condi
 mode (`MKL_CBWR=AVX2,STRICT`). With the pins a run repeats bit for bit on one machine, at any thread count; it
 does NOT repeat across CPU vendors: an Intel Xeon and an AMD EPYC gave different warm starts under the same pins
 (MKL's code paths differ by vendor, which CBWR does not cover; tools/op_digest.py lists the ops that move with
-each setting one machine can switch, docs/RESULTS.md the findings). So the main job is built to give the same
+each setting one machine can switch, docs/miniatures.md the findings). So the main job is built to give the same
 outcome, not the same bits, on every CPU: its numbers are stated as ranges over seeds and kernel paths.
 
 Both libraries read these variables once, at start, so launchers set them for their children:

@@ -9,7 +9,7 @@ the warm start then never trains on, is measured every that many steps (<out>/me
 `sft.stop_accuracy` ends the warm start once the median of the last `sft.stop_window` checks reaches
 it. The tiny task's SFT accuracy rises in a sudden jump whose position moves by hundreds of steps
 with the seed and the CPU's kernels, and at the constant learning rate single checks swing by tens of
-points (docs/RESULTS.md), so a warm start of a fixed length lands anywhere on the curve; stopping at a
+points (docs/miniatures.md), so a warm start of a fixed length lands anywhere on the curve; stopping at a
 measured accuracy of prompts it has not seen (memorized prompts would count too early), confirmed by
 the next check, lands at the same place wherever the jump happens. Writes <out>/warm_start.json
 (steps taken, why it stopped, last accuracy).

@@ -12,7 +12,7 @@
 # last bits to the ops that follow them. Every variable reaches the tests' subprocesses (CLI runs, torchrun
 # workers, engines).
 #
-# The covering set, from tools/op_digest.py's findings (docs/RESULTS.md section 1): only two variables change any
+# The covering set, from tools/op_digest.py's findings (docs/development.md): only two variables change any
 # op of this code base. ATEN_CPU_CAPABILITY (avx512 / avx2 / default) moves the CPU flash attention, and the plain
 # path also silu and the initial weights; MKL_CBWR moves every GEMM, but an AMD CPU honours only COMPATIBLE (MKL
 # reports every other branch as AUTO there), so MKL has two paths per machine: its own and COMPATIBLE. oneDNN ISA

@@ -86,7 +86,7 @@ def test_rescaling_preserves_the_model(warm):
 def test_recalibrated_fp8_kv_beats_unit_scales_on_a_rescaled_warm_start(warm, tmp_path):
     """Recalibrated scales: the engine reports the synced per-layer scales; the k3 KL is far below unit scales' and as
     low as the FP8 cache's own on the unscaled warm start (E4M3's 3 mantissa bits, which no scale removes; the BF16
-    cache's own figure is in docs/RESULTS.md section 6); on the unscaled warm start recalibrating is no worse than unit
+    cache's own figure is in docs/results.md); on the unscaled warm start recalibrating is no worse than unit
     scales (power-of-two scales: the same rounding)."""
     base, _ = warm
     plain = base / "sft" / "hf"
@@ -106,7 +106,7 @@ def test_recalibrated_fp8_kv_beats_unit_scales_on_a_rescaled_warm_start(warm, tm
     # error across seeds and CPUs, so 4x bounds it with margin, still 5x below what unit scales leave (> 20x)
     assert k3["recal"] < 4.0 * k3["plain_unit"] + 1e-4, k3
     # power-of-two scales round every in-range value as 1.0 does (the exact rule's scales drew a 1.25x worse error
-    # than unit in the main job's 100-step runs: docs/RESULTS.md section 6)
+    # than unit in the main job's 100-step runs: docs/results.md)
     assert k3["plain_recal"] <= 1.02 * k3["plain_unit"] + 1e-6, k3
 
 

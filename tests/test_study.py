@@ -436,7 +436,7 @@ def test_every_example_study_loads(spec):
 
 
 def test_search_stages_reuse_the_earlier_stages_runs():
-    """docs/RESULTS.md's search: each stage shares the previous stage's directory and leaves its runs' configs
+    """docs/results.md's search: each stage shares the previous stage's directory and leaves its runs' configs
     unchanged, so the runner skips them instead of refusing the directory."""
     stages = [load_study(REPO / "examples" / "studies" / name)
               for name in ("search1_screen.yaml", "search2_seeds.yaml", "search3_per_minibatch.yaml")]

@@ -13,7 +13,7 @@ clip fraction of negative-advantage tokens (clipfrac_lower_neg) at high precisio
 A rule decides the lower bound L of every update of step s from what it would have seen by then; the replay counts
 the negative tokens of step s below it (all updates, the on-policy first one included, as clipfrac_lower_neg does)
 and averages over steps >= --from-step. The bounds do not feed back into the recorded trajectory (an approximation:
-the recorded run trained with its own bounds). Rules (docs/RESULTS.md, "Calibration between shadow events"):
+the recorded run trained with its own bounds). Rules (docs/calibration.md):
 per_calibration (hold the event's L, EMA), per_minibatch (re-solve each off-policy update on its own tokens at the
 held pooled target), per_step variants (re-solve at the end of every step on its off-policy FP8 ratios at the held
 target, for the next step) and per-update-index targets and bounds. Only the lower bound is replayed.
