@@ -139,7 +139,6 @@ def warm(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.trajectory
 def test_hp_measure_of_an_hp_arm_and_an_fp8_arm(warm, tmp_path):
     """Two-step runs with a checkpoint and a held-out evaluation after every step (48 of the warm start's training
     prompts as the held-out set: its 8 held-out prompts would make accuracy too coarse to compare)."""

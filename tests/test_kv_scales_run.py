@@ -82,7 +82,6 @@ def test_rescaling_preserves_the_model(warm):
     assert ratio == pytest.approx(1000.0, rel=1e-3)
 
 
-@pytest.mark.trajectory
 def test_recalibrated_fp8_kv_beats_unit_scales_on_a_rescaled_warm_start(warm, tmp_path):
     """Recalibrated scales: the engine reports the synced per-layer scales; the k3 KL is far below unit scales' and as
     low as the FP8 cache's own on the unscaled warm start (E4M3's 3 mantissa bits, which no scale removes; the BF16

@@ -42,7 +42,7 @@ import pytest
 from calibration_spec import check_run_dumps
 from rl_runs import comparable, tiny_overrides, train, warm_start
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.trajectory]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STEPS = 3
 # constant lr: the PP=2 run is stopped by train.steps=1 and resumed with train.steps=3, and a decaying schedule is
 # re-planned over the new total on resume (tests/test_checkpoint.py), which an uninterrupted run never does
@@ -172,6 +172,7 @@ def _tokens_by_update(run_dir: Path) -> dict[str, np.ndarray]:
             for key in ("ratio_hp", "adv")}
 
 
+@pytest.mark.trajectory  # its clip decisions sit closest to a one-token flip; the layout tests compare at 1e-4
 @pytest.mark.parametrize("layout", [
     ("train.micro_batch_size=4",),
     ("train.micro_batch_size=8", "parallel.pipeline_model_parallel_size=2"),
