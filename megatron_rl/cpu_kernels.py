@@ -101,3 +101,14 @@ if __name__ == "__main__":  # the exports that apply here; variables the user ha
     for key, value in pinned_env(os.environ).items():
         if key not in os.environ:
             print(f"export {key}={value}")
+
+
+def reexec_pinned() -> None:
+    """Start this script again under the pinned kernels and one thread unless it already runs so (both libraries
+    pick their kernels when they load, so a running process cannot switch)."""
+    import sys
+
+    env = pinned_env(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if env != dict(os.environ):
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)

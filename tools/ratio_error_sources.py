@@ -16,7 +16,6 @@ once under OUT/. One CPU thread and the pinned kernel paths (megatron_rl/cpu_ker
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -27,12 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> int:
     """Parse the command line and run the measurement."""
-    from megatron_rl.cpu_kernels import pinned_env
+    from megatron_rl.cpu_kernels import reexec_pinned
 
-    env = pinned_env(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if env != dict(os.environ):  # kernels are chosen when torch loads: start again with the pinned environment
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    reexec_pinned()
     from megatron_rl.study.ratio_error_sources import run
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -118,6 +118,24 @@ def warm_start(config: Path, out: Path, depth: int, data: dict[str, str], say: C
     return hf
 
 
+
+def scored_batch(hf: Path, rows, cfg, samples: int, seed: int, reward_fn, pad_token_id: int):
+    """(samples, train batch): `samples` answers per prompt of `rows` sampled by `sample_answers`, rewarded, with the
+    config's GRPO advantages, as the learner's train batch."""
+    import torch
+
+    from megatron_rl.algo.advantages import compute_advantages
+    from megatron_rl.phases.batching import build_train_batch
+
+    smp, _ = sample_answers(hf, rows, cfg, samples, seed)
+    for s in smp:
+        s.reward, s.correct = reward_fn(s.response_text, s.answer)
+    adv = compute_advantages(torch.tensor([s.reward for s in smp], dtype=torch.float32), samples,
+                             cfg.algo.advantage.estimator, std_eps=cfg.algo.advantage.std_eps,
+                             unbiased_std=cfg.algo.advantage.unbiased_std)
+    return smp, build_train_batch(smp, adv, pad_token_id, 16, None)
+
+
 def sample_answers(hf: Path, rows, cfg, n: int, seed: int):
     """Samples (types.Sample, prompt-major groups of n) from the high-precision engine at the config's sampling settings."""
     from megatron_rl.engine.generation import Engine, GenerationRequest, SamplingParams
@@ -245,16 +263,12 @@ def measure_recipe(cfg, depth: int, recipe: str, hf: Path, batch, vocab: int) ->
 def run(config: Path, out: Path, depths: Sequence[int], recipes: Sequence[str], seed: int, prompts: int, samples: int,
         bucket_width: int = 5, say: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole measurement; writes OUT/error_seed<seed>.{json,md,png} and returns the JSON record."""
-    import torch
-
-    from megatron_rl.algo.advantages import compute_advantages
     from megatron_rl.config import load_config
     from megatron_rl.config.model import ParallelConfig
     from megatron_rl.data.prepare import prepare_task_data
     from megatron_rl.data.sources import load_prompts
     from megatron_rl.data.tasks import malformed_checker
     from megatron_rl.parallel import state
-    from megatron_rl.phases.batching import build_train_batch
     from megatron_rl.reward import get_reward_fn
     from megatron_rl.warm_start import model_vocab_size
 
@@ -282,13 +296,7 @@ def run(config: Path, out: Path, depths: Sequence[int], recipes: Sequence[str], 
             hf = warm[d]
             t0 = time.perf_counter()
             acc = greedy_accuracy(hf, eval_rows, reward_fn, is_malformed, cfg.rollout.sampling.max_new_tokens)
-            smp, _ = sample_answers(hf, rows, cfg, samples, seed)
-            for s in smp:
-                s.reward, s.correct = reward_fn(s.response_text, s.answer)
-            adv = compute_advantages(torch.tensor([s.reward for s in smp], dtype=torch.float32), samples,
-                                     cfg.algo.advantage.estimator, std_eps=cfg.algo.advantage.std_eps,
-                                     unbiased_std=cfg.algo.advantage.unbiased_std)
-            batch = build_train_batch(smp, adv, tokenizer.pad_token_id, 16, None)
+            smp, batch = scored_batch(hf, rows, cfg, samples, seed, reward_fn, tokenizer.pad_token_id)
             max_len = int(batch.loss_mask.sum(dim=1).max())
             buckets = position_buckets(max_len, bucket_width)
             entry: dict[str, Any] = {"eval": acc, "sample_reward": float(np.mean([s.reward for s in smp])),

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from megatron_rl.precision.scale_book import ScaleBook
-from megatron_rl.study.precision_error import PROB_EDGES, position_buckets, sample_answers, warm_start
+from megatron_rl.study.precision_error import PROB_EDGES, position_buckets, scored_batch, warm_start
 
 ROLES = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj", "fc1": "mlp.linear_fc1",
          "fc2": "mlp.linear_fc2"}
@@ -256,16 +256,12 @@ def analyse(m: dict[str, Any], bucket_width: int = 5) -> dict[str, Any]:
 def run(config: Path, out: Path, overrides: Sequence[str], seed: int, prompts: int, samples: int,
         warm: Optional[Path] = None, command: str = "", say: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole measurement; writes OUT/ratio_error_sources_seed<seed>.{json,md} and returns the record."""
-    import torch
-
-    from megatron_rl.algo.advantages import compute_advantages
     from megatron_rl.config import load_config
     from megatron_rl.config.model import ParallelConfig
     from megatron_rl.data.prepare import prepare_task_data
     from megatron_rl.data.sources import load_prompts
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.parallel import state
-    from megatron_rl.phases.batching import build_train_batch
     from megatron_rl.reward import get_reward_fn
     from megatron_rl.warm_start import model_vocab_size
 
@@ -288,13 +284,7 @@ def run(config: Path, out: Path, overrides: Sequence[str], seed: int, prompts: i
     rows = [train_rows[i] for i in rng.choice(len(train_rows), size=prompts, replace=False)]
     state.init_distributed(ParallelConfig(logprob_chunk_size=cfg.parallel.logprob_chunk_size), cfg.train.seed)
     try:
-        smp, _ = sample_answers(hf, rows, cfg, samples, seed)
-        for s in smp:
-            s.reward, s.correct = reward_fn(s.response_text, s.answer)
-        adv = compute_advantages(torch.tensor([s.reward for s in smp], dtype=torch.float32), samples,
-                                 cfg.algo.advantage.estimator, std_eps=cfg.algo.advantage.std_eps,
-                                 unbiased_std=cfg.algo.advantage.unbiased_std)
-        batch = build_train_batch(smp, adv, tokenizer.pad_token_id, 16, None)
+        smp, batch = scored_batch(hf, rows, cfg, samples, seed, reward_fn, tokenizer.pad_token_id)
         m = measure(cfg, hf, batch, model_vocab_size(str(hf), tokenizer), say)
     finally:
         state.destroy_distributed()
