@@ -58,7 +58,7 @@ def controller_rollout(session: RunSession, step: int, timers: Timers):
 def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dict:
     """Old log-probs (+ shadow rows), PPO epochs over mini-batches at the plan's bounds, the step's calibration; finalized metrics."""
     cfg, learner, mbs = session.cfg, session.learner, session.cfg.train.micro_batch_size
-    # strength=decision decides this whole step's clips on high-precision ratios of every row
+    # strength=decision (targeted) decides this step's clips on high-precision ratios of every (every targeted) row
     gate_open = error_scale.gate_open(session.clipper, cfg.precision.recipe)
     on_policy_only = batching.on_policy_only_rows(batch.batch_size, cfg.train.num_minibatches, cfg.train.ppo_epochs,
                                                   cfg.train.seed, step)
@@ -70,6 +70,7 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
                                                kv_cache=session.kv_cache,
                                                row_groups=batching.old_logprob_row_groups(batch.batch_size, cfg.train, step))
         batch = with_sequence_rollout_weights(batch, cfg.algo)
+        batch = error_scale.with_targeted_rows(batch, session.clipper, gate_open, on_policy_only)
         # no-op unless a decision needs it
         batch = error_scale.with_old_logprobs_hp(learner, batch, mbs, cfg.algo, gate_open, on_policy_only)
     calib = StepCalibration(session.clipper, plan, cfg, session.run_dir)

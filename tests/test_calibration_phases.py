@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_rl.algo.losses import log_ratio
 from megatron_rl.algo.calibration import CalibrationTargets
 from megatron_rl.algo.calibration_plan import CalibrationPlan
 from megatron_rl.algo.clipper import CalibratedClipper
@@ -200,3 +201,54 @@ def test_the_high_precision_decision_forwards_pi_old_on_the_off_policy_rows_only
     learner.calls.clear()
     assert error_scale.with_old_logprobs_hp(learner, batch, 4, cfg.algo, gate_open=False, on_policy_only_rows=skip) is batch
     assert learner.calls == []
+
+
+def test_the_targeted_decision_forwards_and_decides_only_its_rows(world_of_one):
+    """strength=targeted: the off-policy rows with the most summed FP8 entropy (targeted_fraction of them) run the
+    high-precision forwards, pi_old's and the current policy's, and only they are decided on the high-precision ratio;
+    every other row's decision is its FP8 ratio bit for bit. With the instrument on every row is forwarded."""
+    from megatron_rl.algo.clipper import make_clipper
+    from megatron_rl.phases import error_scale
+
+    cfg = load_config(None, ["precision.recipe=tensorwise", "algo.calibration.enabled=true",
+                             "algo.calibration.strength=targeted", "algo.calibration.targeted_fraction=0.25",
+                             "train.num_minibatches=2", "train.micro_batch_size=4"])
+    clipper = make_clipper(cfg.algo)
+    assert clipper.decides_on_high_precision() and clipper.targeted_fraction() == 0.25
+    plan = CalibrationPlan.build(0, cfg.algo.calibration, cfg.train, 16)
+    assert not plan.event and not plan.solves  # nothing measured or solved: the decision is all it does
+    batch = _batch()
+    skip = batching.on_policy_only_rows(16, 2, 1, cfg.train.seed, 3)
+    entropy = torch.zeros(16, 10)
+    hot = [i for i in range(16) if i not in skip][:2]
+    entropy[hot, 5] = 1.0
+    entropy[skip[0], 5] = 5.0  # the most entropy, but only the on-policy update trains it: never targeted
+    batch = batch.with_fields(old_logprobs=RecordingLearner().forward_logprobs(batch, 4)[0], old_entropy=entropy)
+    batch = error_scale.with_targeted_rows(batch, clipper, True, skip)
+    assert batch.hp_decision_rows.nonzero().flatten().tolist() == sorted(hot)  # round(0.25 * 8) = 2 rows
+    assert error_scale.with_targeted_rows(batch.with_fields(hp_decision_rows=None), clipper, False, skip).hp_decision_rows is None
+    learner = RecordingLearner()
+    batch = error_scale.with_old_logprobs_hp(learner, batch, 4, cfg.algo, gate_open=True, on_policy_only_rows=skip)
+    assert [row for hp, rows in learner.calls if hp for row in rows] == sorted(hot)  # 2 rows in a micro-batch of 2
+    later = next(mb for mb in batching.minibatches(batch, 2, batching.minibatch_seed(cfg.train.seed, 3, 0))
+                 if not set(mb.sample_index.tolist()) & set(skip))
+    learner.calls.clear()
+    later = error_scale.with_logprobs_hp(learner, later, 4, cfg.algo, first_update=False, gate_open=True)
+    assert sorted(row for hp, rows in learner.calls if hp for row in set(rows)) == sorted(hot)
+    # the update moved the policy: the FP8 log-probs differ from pi_old's
+    lp = later.old_logprobs + 0.05 * torch.arange(later.batch_size)[:, None] * later.loss_mask
+    r, sums = error_scale.clip_decision(lp, later, cfg.algo, None, gate_open=True)
+    targeted = later.hp_decision_rows
+    r_lp = torch.exp(log_ratio(lp, later.old_logprobs, 20.0))
+    r_hp = torch.exp(log_ratio(later.logprobs_hp, later.old_logprobs_hp, 20.0))
+    assert torch.equal(r[~targeted], r_lp[~targeted])
+    assert torch.allclose(r[targeted], r_hp[targeted])
+    assert not torch.allclose(r[targeted], r_lp[targeted])
+    assert int(sums["calib/targeted_token_share/num"]) == int((later.loss_mask[targeted] > 0).sum())
+    # the instrument needs every token's high-precision ratio: every off-policy row is forwarded
+    k8 = load_config(None, ["precision.recipe=tensorwise", "algo.calibration.enabled=true", "algo.calibration.strength=targeted",
+                            "algo.experimental.clip_error_scale=8", "train.num_minibatches=2", "train.micro_batch_size=4"])
+    learner.calls.clear()
+    error_scale.with_old_logprobs_hp(learner, batch.with_fields(old_logprobs_hp=None), 4, k8.algo, gate_open=True,
+                                     on_policy_only_rows=skip)
+    assert sorted(row for _, rows in learner.calls for row in rows) == [i for i in range(16) if i not in skip]

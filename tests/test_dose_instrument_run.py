@@ -95,3 +95,26 @@ def test_the_default_decision_rule_through_the_loop_is_the_high_precision_clip_d
     assert sum(abs(r["experimental/lp_clipfrac"] - r["experimental/hp_clipfrac"]) for r in decision) > MANY_TOKENS
     state = lambda d: pickle.loads((Path(latest_checkpoint(d / "checkpoints")) / RL_STATE_FILE).read_bytes())
     assert state(tmp_path / "decision")["eval_after"] == state(option_dir)["eval_after"]
+
+
+@pytest.mark.slow
+def test_the_targeted_decision_through_the_loop(tmp_path_factory, tmp_path, high_precision_decision_run):
+    """algo.calibration.strength=targeted: at targeted_fraction 1 every off-policy answer is targeted and the run trains
+    exactly as algo.policy_loss.clip_decision=high_precision (the same loss, clip fractions, rewards, held-out accuracy);
+    at a small fraction only that share of the tokens is decided in high precision, and the run's clips are not the
+    high-precision ones (they would be if the whole batch were forwarded)."""
+    warm = warm_start(tmp_path_factory)
+    whole = train(tmp_path / "whole", tiny_overrides(warm, "train.steps=3", *WIDE_ERROR, "algo.calibration.strength=targeted",
+                                                     "algo.calibration.targeted_fraction=1"))
+    option_dir, option = high_precision_decision_run
+    assert [r["calib/hp_decision"] for r in whole] == [1.0, 1.0, 1.0]
+    for r, o in zip(whole, option):
+        for key in ("loss/total", "learner/grad_norm", "clipfrac", "reward/mean", "entropy", "experimental/lp_clipfrac"):
+            assert r[key] == o[key], (r["step"], key)
+    state = lambda d: pickle.loads((Path(latest_checkpoint(d / "checkpoints")) / RL_STATE_FILE).read_bytes())
+    assert state(tmp_path / "whole")["eval_after"] == state(option_dir)["eval_after"]
+    few = train(tmp_path / "few", tiny_overrides(warm, "train.steps=2", *WIDE_ERROR, "algo.calibration.strength=targeted",
+                                                 "algo.calibration.targeted_fraction=0.2"))
+    for r in few:
+        assert 0.0 < r["calib/targeted_token_share"] < 0.5, r["step"]
+        assert "calib/alpha_target" not in r or math.isnan(r["calib/alpha_target"])  # no event: nothing measured

@@ -3,6 +3,7 @@ up, the tail is found where it was put, and the GEMM variants name every linear 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from megatron_rl.study import ratio_error_sources as res
 
@@ -56,3 +57,18 @@ def test_variants_cover_layers_and_roles():
     assert len(plan) == 1 + 2 + 2 + 4 + 4
     names3 = [f"decoder.layers.{i}.{suffix}" for i in range(3) for suffix in res.ROLES.values()]
     assert ("ends hp", "layers 0 and 2 in hp", [n for n in names3 if ".0." in n or ".2." in n]) in res.variants(names3, 3)
+
+
+def test_predictor_capture_ranks_answers_by_their_scores():
+    # 10 answers of 4 tokens; answer 7 holds all the error. A score that marks it captures everything, one that
+    # marks another answer nothing; the oracle always everything; chance is the picked share.
+    seq = np.repeat(np.arange(10), 4)
+    e = np.zeros(40)
+    e[7 * 4 + 2] = 0.5
+    marks_7 = np.where(seq == 7, 0.2, 0.01)
+    marks_3 = np.where(seq == 3, 0.2, 0.01)
+    rows = {r["predictor"]: r for r in res.predictor_capture(e, seq, {"sum right": marks_7, "max wrong": marks_3}, 0.1)}
+    assert rows["oracle: sum e^2"]["sq_share"] == pytest.approx(1.0)
+    assert rows["sum right"]["sq_share"] == pytest.approx(1.0) and rows["sum right"]["tail_share"] == pytest.approx(1.0)
+    assert rows["max wrong"]["sq_share"] == 0.0
+    assert rows["chance"]["sq_share"] == pytest.approx(0.1) and rows["chance"]["answers"] == 1

@@ -41,6 +41,8 @@ from megatron_rl.parallel import collectives
 
 Stats = Union[SampleStats, HistStats]
 
+HIST_BINS = 8192
+"""histogram backend: bins over [HIST_LOG_MIN, HIST_LOG_MAX] (plus one underflow and one overflow bin)."""
 HIST_LOG_MIN = -4.0
 """histogram backend: lower edge of the binned log-ratio range."""
 HIST_LOG_MAX = 4.0

@@ -8,7 +8,8 @@ reads it to add each micro-batch's tokens to the step's statistics; the loop rea
 when to solve. The clipper (algo/clipper.py) holds state only.
 
 Decisions (docs/CALIBRATED_CLIPPING.md, "Which tokens a solve sees"):
-- `event`: this step is a calibration event (step % calibrate_every == 0): it refreshes the targets
+- `event`: this step is a calibration event (step % calibrate_every == 0; never under strength=targeted, which moves
+  no bound and decides on its own high-precision forwards, phases/error_scale.py): it refreshes the targets
   (alpha, rho) from the high-precision shadow. Under `bounds_update: per_step` (the default) every
   step, event or not, ends with one pooled solve over the FP8 ratios that its off-policy updates'
   training forwards computed (every row, every micro-batch, every DP x CP rank; no extra forward),
@@ -83,7 +84,9 @@ class CalibrationPlan:
         (batching.on_policy_only_rows), so no shadow forward runs on them; `whole_shadow`: an event's shadow takes
         every candidate row whatever shadow_fraction (a step whose clips are decided on high-precision ratios
         forwards them all anyway)."""
-        event = cfg.enabled and step % cfg.calibrate_every == 0
+        # strength=targeted moves no bound and measures nothing: its only high-precision forwards are its decision's
+        targeted = cfg.strength == "targeted"
+        event = cfg.enabled and not targeted and step % cfg.calibrate_every == 0
         shadow = event
         rows: tuple[int, ...] = ()
         if event:
@@ -95,9 +98,9 @@ class CalibrationPlan:
                 g = torch.Generator().manual_seed(SEED * 1_000_003 + step)
                 pick = torch.randperm(len(candidates), generator=g)[:n].tolist()  # device-ok: a host-side draw of row numbers
                 rows = tuple(sorted(candidates[i] for i in pick))
-        per_step = cfg.enabled and cfg.bounds_update == "per_step"
+        per_step = cfg.enabled and not targeted and cfg.bounds_update == "per_step"
         return cls(step=step, enabled=cfg.enabled, event=event, shadow=shadow,
-                   per_minibatch=cfg.enabled and cfg.bounds_update == "per_minibatch",
+                   per_minibatch=cfg.enabled and not targeted and cfg.bounds_update == "per_minibatch",
                    num_minibatches=train.num_minibatches, ppo_epochs=train.ppo_epochs, batch_size=batch_size,
                    shadow_rows=rows, per_step=per_step,
                    open_on_policy=cfg.enabled)

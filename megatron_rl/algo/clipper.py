@@ -16,7 +16,9 @@ solve L and H. Under strength=full the solved bounds are held: with `smooth`, ne
 (1 - smoothing) * solved (the first solve of a run is taken as is); without, the solved bounds themselves.
 Under strength=decision (the default) no bound moves: the bounds stay vanilla and the loop decides every
 clip on high-precision ratios (`decides_on_high_precision`, phases/error_scale.py); the events still
-measure the targets and how much more the low-precision ratios clip (`calib/gate_ratio`).
+measure the targets and how much more the low-precision ratios clip (`calib/gate_ratio`). Under
+strength=targeted the bounds stay vanilla too and only the targeted answers are decided in high precision
+(`targeted_fraction`); no event runs (CalibrationPlan), so nothing is solved or measured.
 The solve's `quantile` says whom the bounds are for: the tokens solved on (per_calibration's event,
 per_minibatch's pre-pass) or the next step's (per_step, which re-solves every step).
 The state lives on the last pipeline stage (where the loss runs); the loop copies it to the other
@@ -30,8 +32,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from megatron_rl.algo.calibration import (HIST_LOG_MAX, HIST_LOG_MIN, LOWER_MAX, MAX_SAMPLES_PER_RANK, SEED, UPPER_MIN,
-                                         BoundsSolution, CalibrationTargets, RatioStats, solve_bounds)
+from megatron_rl.algo.calibration import (HIST_BINS, HIST_LOG_MAX, HIST_LOG_MIN, LOWER_MAX, MAX_SAMPLES_PER_RANK, SEED,
+                                         UPPER_MIN, BoundsSolution, CalibrationTargets, RatioStats, solve_bounds)
 from megatron_rl.algo.ratio_stats import HistSpec
 from megatron_rl.config.algo import REMOVED_STRENGTHS, AlgoConfig, CalibrationConfig
 from megatron_rl.config.run import ConfigError
@@ -49,7 +51,7 @@ class CalibratedClipper:
         """Start at the uncalibrated bounds 1 - eps_low, 1 + eps_high."""
         self.cfg = cfg
         self.eps_low, self.eps_high = float(eps_low), float(eps_high)
-        self.hist_spec = HistSpec(cfg.hist_bins, HIST_LOG_MIN, HIST_LOG_MAX)
+        self.hist_spec = HistSpec(HIST_BINS, HIST_LOG_MIN, HIST_LOG_MAX)
         self.generator = torch.Generator().manual_seed(SEED)
         self.lower, self.upper = _f32(1.0 - self.eps_low), _f32(1.0 + self.eps_high)
         self.targets: Optional[CalibrationTargets] = None
@@ -108,9 +110,13 @@ class CalibratedClipper:
         return self.as_bounds(self.cfg.lower_min, self.cfg.upper_max, device)
 
     def decides_on_high_precision(self) -> bool:
-        """Whether the clip is decided on high-precision ratios at the vanilla bounds (strength=decision) instead of
-        moving the bounds (strength=full)."""
-        return self.cfg.strength == "decision"
+        """Whether clips are decided on high-precision ratios at the vanilla bounds (strength=decision: every answer;
+        strength=targeted: the targeted answers) instead of moving the bounds (strength=full)."""
+        return self.cfg.strength in ("decision", "targeted")
+
+    def targeted_fraction(self) -> Optional[float]:
+        """The share of off-policy answers decided in high precision under strength=targeted; None when every answer is."""
+        return self.cfg.targeted_fraction if self.cfg.strength == "targeted" else None
 
     @staticmethod
     def as_bounds(lower: float, upper: float, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,10 +18,12 @@ from megatron_rl.algo.losses import log_ratio
 
 
 def error_scaled_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, logprobs_hp: torch.Tensor,
-                       old_logprobs_hp: torch.Tensor, scale: float, log_ratio_clamp: float = 20.0) -> torch.Tensor:
-    """[B, S] detached r_k (see module docstring); bitwise the ordinary ratio exp(log_ratio(logprobs, old)) at scale 1."""
+                       old_logprobs_hp: torch.Tensor, scale: float | torch.Tensor,
+                       log_ratio_clamp: float = 20.0) -> torch.Tensor:
+    """[B, S] detached r_k (see module docstring); bitwise the ordinary ratio exp(log_ratio(logprobs, old)) at scale 1.
+    `scale` is one k or a tensor broadcasting against [B, S] (a k per row: [B, 1])."""
     lr = log_ratio(logprobs.detach(), old_logprobs.detach(), log_ratio_clamp)
     lr_hp = log_ratio(logprobs_hp.detach(), old_logprobs_hp.detach(), log_ratio_clamp).to(lr.dtype)
-    k_minus_1 = torch.tensor(scale - 1.0, dtype=lr.dtype, device=lr.device)
+    k_minus_1 = torch.as_tensor(scale, dtype=lr.dtype, device=lr.device) - 1.0
     # the same clamp as the loss's ratio, so an extreme k cannot overflow exp
     return torch.exp((lr + k_minus_1 * (lr - lr_hp)).clamp(-log_ratio_clamp, log_ratio_clamp))

@@ -75,6 +75,7 @@ REMOVED_CALIBRATION_FIELDS: dict[str, tuple[object, str]] = {
     "upper_min": (1.0, "delete it (fixed at 1, megatron_rl.algo.calibration.UPPER_MIN)"),
     "max_samples_per_rank": (65536, "delete it (fixed at 65536, megatron_rl.algo.calibration.MAX_SAMPLES_PER_RANK)"),
     "seed": (0, "delete it (fixed at 0, megatron_rl.algo.calibration.SEED)"),
+    "hist_bins": (8192, "delete it (fixed at 8192, megatron_rl.algo.calibration.HIST_BINS)"),
 }
 """Removed algo.calibration fields: a config that sets one is refused with its line here."""
 REMOVED_STRENGTHS = ("gated", "excess")
@@ -86,8 +87,8 @@ class CalibrationConfig(StrictConfig):
 
     enabled: bool = False
     """Turn Calibrated Clipping on; off, the bounds are 1 - eps_low and 1 + eps_high."""
-    strength: Literal["full", "decision"] = "decision"
-    """full: the paper's solved bounds; decision: the bounds stay vanilla and every clip is decided on the high-precision ratio (high-precision forwards every step, docs/calibration.md)."""
+    strength: Literal["full", "decision", "targeted"] = "decision"
+    """full: the paper's solved bounds; decision: vanilla bounds, every clip decided on the high-precision ratio (high-precision forwards every step); targeted: as decision on the targeted_fraction of answers with the most FP8 entropy, the FP8 ratio elsewhere."""
     upper: Literal["match_contribution", "log_scale", "fixed"] = "match_contribution"
     """Upper-bound rule under strength=full: match_contribution (the paper), log_scale, or fixed (1 + eps_high)."""
     calibrate_every: PositiveInt = 5
@@ -101,9 +102,9 @@ class CalibrationConfig(StrictConfig):
     shadow_fraction: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     """Fraction in (0, 1] of the off-policy rows that run the shadow forwards and give the targets (same seeded draw on every rank)."""
     backend: Literal["allgather", "histogram"] = "allgather"
-    """Distributed statistics: allgather (exact unless subsampled) or histogram (one all-reduce of hist_bins floats)."""
-    hist_bins: int = Field(8192, ge=2)
-    """histogram: number of bins (>= 2) over log r in [-4, 4], plus one underflow and one overflow bin."""
+    """Distributed statistics: allgather (exact unless subsampled) or histogram (one all-reduce of 8192 bin counts)."""
+    targeted_fraction: float = Field(0.1, gt=0, le=1, allow_inf_nan=False)
+    """strength=targeted: fraction in (0, 1] of each step's off-policy answers decided in high precision, those whose FP8 pi_old entropy summed over the answer is largest."""
     lower_min: float = Field(0.05, gt=0, le=1, allow_inf_nan=False)
     """Clamp in (0, 1]: smallest allowed calibrated lower bound L."""
     upper_max: float = Field(10.0, ge=1, allow_inf_nan=False)
@@ -221,3 +222,15 @@ class AlgoConfig(StrictConfig):
                                                                   and self.calibration.strength == "decision"):
             return 0.0
         return self.experimental.clip_error_scale
+
+    def every_step_hp_share(self, recipe: str) -> float:
+        """Share of each step's off-policy answers that run high-precision forwards for the clip decision on every step:
+        1 under a decision on every answer (every_step_decision_scale != 1), calibration.targeted_fraction under
+        strength=targeted, 0 otherwise (calibration events' shadows are counted apart). The planner reads it."""
+        if recipe == "none":
+            return 0.0
+        if self.every_step_decision_scale(recipe) != 1.0:
+            return 1.0
+        if self.calibration.enabled and self.calibration.strength == "targeted":
+            return self.calibration.targeted_fraction
+        return 0.0

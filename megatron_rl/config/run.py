@@ -124,8 +124,8 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
             out.append(f"{p} and algo.experimental.clip_error_scale both set the clip decision (the instrument at 0 is this option)")
     c = a.calibration
     if c.enabled and a.policy_loss.name not in ("ppo", "dual_clip"):
-        if c.strength == "decision":
-            out.append(f"algo.calibration.strength=decision decides the PPO clip on high-precision ratios; "
+        if c.strength in ("decision", "targeted"):
+            out.append(f"algo.calibration.strength={c.strength} decides the PPO clip on high-precision ratios; "
                        f"algo.policy_loss.name={a.policy_loss.name} has no clip decision (ppo or dual_clip): set "
                        "algo.calibration.strength to full")
     out += fp8_params_errors(cfg)

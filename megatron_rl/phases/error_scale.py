@@ -11,6 +11,11 @@ steps that already ran these shadow forwards (all off-policy rows) are not repea
 (`clip_decision`): r_k for the clip masks, plus `experimental/*` clip fractions under the unscaled
 low-precision and the high-precision ratios of the same tokens and bounds. Off (k = 1) everything here is
 a no-op and costs nothing.
+
+Under algo.calibration.strength=targeted (`with_targeted_rows`) only the step's targeted answers
+(algo/targeting.py: the off-policy rows with the most summed FP8 entropy of pi_old) run these forwards and decide at
+k = 0; every other row decides at the instrument's k (1 = its own FP8 ratio, bit for bit). With the instrument on
+(k != 1) every row still runs them, as the instrument needs the high-precision ratio of every token.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from megatron_rl.algo import metrics as M
 from megatron_rl.algo.error_scale import error_scaled_ratio
 from megatron_rl.algo.losses import log_ratio
 from megatron_rl.algo.objective import default_bounds
+from megatron_rl.algo.targeting import targeted_rows
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.phases.logprobs import current_logprobs_hp, shadow_old_logprobs
 from megatron_rl.types import TrainBatch
@@ -47,6 +53,35 @@ def active(algo: AlgoConfig, gate_open: bool = False) -> bool:
     return decision_scale(algo, gate_open) != 1.0
 
 
+def with_targeted_rows(batch: TrainBatch, clipper, gate_open: bool, on_policy_only_rows: Sequence[int] = ()) -> TrainBatch:
+    """strength=targeted: the step batch with `hp_decision_rows`, its targeted off-policy rows (every rank picks the
+    same from the gathered FP8 entropy of the log-prob phase); unchanged otherwise."""
+    fraction = clipper.targeted_fraction() if gate_open else None
+    if fraction is None:
+        return batch
+    if batch.old_entropy is None:
+        raise ValueError("algo.calibration.strength=targeted ranks answers by pi_old's entropy: run the log-prob phase first")
+    skip = set(on_policy_only_rows)
+    candidates = [i for i in range(batch.batch_size) if i not in skip]
+    return batch.with_fields(hp_decision_rows=targeted_rows(batch.old_entropy, batch.loss_mask, candidates, fraction))
+
+
+def _forwarded_rows(batch: TrainBatch, algo: AlgoConfig) -> Optional[torch.Tensor]:
+    """[b] bool: the rows that need high-precision log-probs when not all do (targeted, instrument off), else None."""
+    if batch.hp_decision_rows is None or algo.experimental.clip_error_scale != 1.0:
+        return None
+    return batch.hp_decision_rows
+
+
+def row_scale(mb: TrainBatch, algo: AlgoConfig, gate_open: bool, device: torch.device) -> float | torch.Tensor:
+    """k of each row's clip decision: `decision_scale`, or under strength=targeted a [b, 1] tensor, 0 on the targeted
+    rows and the instrument's k elsewhere."""
+    if not gate_open or mb.hp_decision_rows is None:
+        return decision_scale(algo, gate_open)
+    k = torch.full((mb.batch_size, 1), algo.experimental.clip_error_scale, dtype=torch.float32, device=device)
+    return k.masked_fill(mb.hp_decision_rows.to(device)[:, None], 0.0)
+
+
 def with_old_logprobs_hp(learner, batch: TrainBatch, micro_batch_size: int, algo: AlgoConfig,
                          gate_open: bool = False, on_policy_only_rows: Sequence[int] = ()) -> TrainBatch:
     """The step batch with high-precision pi_old on every row an off-policy update trains on (each DP rank forwards
@@ -57,6 +92,9 @@ def with_old_logprobs_hp(learner, batch: TrainBatch, micro_batch_size: int, algo
         return batch
     skip = set(on_policy_only_rows)
     rows = [i for i in range(batch.batch_size) if i not in skip]
+    limit = _forwarded_rows(batch, algo)
+    if limit is not None:
+        rows = [i for i in rows if bool(limit[i])]
     return batch.with_fields(old_logprobs_hp=shadow_old_logprobs(learner, batch, rows, micro_batch_size))
 
 
@@ -67,7 +105,7 @@ def with_logprobs_hp(learner, mb: TrainBatch, micro_batch_size: int, algo: AlgoC
         return mb
     if first_update:  # no optimizer step yet: the current weights are pi_old's
         return mb.with_fields(logprobs_hp=mb.old_logprobs_hp)
-    return mb.with_fields(logprobs_hp=current_logprobs_hp(learner, mb, micro_batch_size))
+    return mb.with_fields(logprobs_hp=current_logprobs_hp(learner, mb, micro_batch_size, rows=_forwarded_rows(mb, algo)))
 
 
 def observed_ratio(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig) -> Optional[torch.Tensor]:
@@ -93,11 +131,17 @@ def clip_decision(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig,
                          "clip_error_scale) needs logprobs_hp and old_logprobs_hp in every micro-batch")
     clamp = algo.policy_loss.log_ratio_clamp
     lp_hp, old_hp = mb.logprobs_hp.to(logprobs.device), mb.old_logprobs_hp.to(logprobs.device)
-    r_k = error_scaled_ratio(logprobs, mb.old_logprobs, lp_hp, old_hp, decision_scale(algo, gate_open), clamp)
+    r_k = error_scaled_ratio(logprobs, mb.old_logprobs, lp_hp, old_hp, row_scale(mb, algo, gate_open, logprobs.device), clamp)
     lower, upper = default_bounds(algo, logprobs.device) if bounds is None else bounds
     sums: dict[str, torch.Tensor] = {}
     r_lp = torch.exp(log_ratio(logprobs.detach(), mb.old_logprobs, clamp))
     r_hp = torch.exp(log_ratio(lp_hp, old_hp, clamp))
-    sums.update(M.clip_fraction_sums(r_lp, mb.advantages, mb.loss_mask, lower, upper, prefix="experimental/lp_"))
-    sums.update(M.clip_fraction_sums(r_hp, mb.advantages, mb.loss_mask, lower, upper, prefix="experimental/hp_"))
+    mask = mb.loss_mask
+    forwarded = _forwarded_rows(mb, algo)
+    if forwarded is not None:  # the high-precision ratio exists on the targeted rows only: compare both there
+        mask = mask * forwarded.to(mask.device)[:, None]
+        sums["calib/targeted_token_share/num"] = (mask > 0).sum()
+        sums["calib/targeted_token_share/den"] = (mb.loss_mask > 0).sum()
+    sums.update(M.clip_fraction_sums(r_lp, mb.advantages, mask, lower, upper, prefix="experimental/lp_"))
+    sums.update(M.clip_fraction_sums(r_hp, mb.advantages, mask, lower, upper, prefix="experimental/hp_"))
     return r_k, sums

@@ -81,9 +81,13 @@ def shadow_old_logprobs(learner, batch: TrainBatch, rows: list[int], micro_batch
     if len(rows) == batch.batch_size:
         with high_precision():
             return _global_forward(learner, batch, micro_batch_size)[0]
-    sub = _padded(batch, rows, state.dp_size() * micro_batch_size)
+    if not rows:
+        return torch.zeros_like(batch.loss_mask, dtype=torch.float32)
+    # a few rows forward in micro-batches of their own size, not padded up to whole training micro-batches
+    mbs = min(micro_batch_size, -(-len(rows) // state.dp_size()))
+    sub = _padded(batch, rows, state.dp_size() * mbs)
     with high_precision():
-        lp_sub, _ = _global_forward(learner, sub, micro_batch_size)
+        lp_sub, _ = _global_forward(learner, sub, mbs)
     out = torch.zeros_like(batch.loss_mask, dtype=lp_sub.dtype, device=lp_sub.device)
     out[rows] = lp_sub[: len(rows)]
     return out
@@ -111,7 +115,7 @@ def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, plan: Opt
                          "micro-batches the updates train on: scales are recorded per micro-batch)")
     with kv_cache.measuring() if kv_cache is not None else nullcontext(), book.recording():
         lp, ent = _global_forward(learner, batch, micro_batch_size, row_groups)
-    changes = {"old_logprobs": lp}
+    changes = {"old_logprobs": lp, "old_entropy": ent}
     mask = batch.loss_mask > 0
     metrics = {"entropy_old": float(ent[mask].mean()) if mask.any() else float("nan")}
     if kv_cache is not None:
@@ -148,8 +152,9 @@ def current_logprobs_hp(learner, shard: TrainBatch, micro_batch_size: int, rows:
     out = torch.zeros_like(shard.loss_mask)
     if not picked:
         return out
+    mbs = min(micro_batch_size, len(picked))
     with high_precision():
-        lp, _ = learner.forward_logprobs(_padded(shard, picked, micro_batch_size), micro_batch_size)
+        lp, _ = learner.forward_logprobs(_padded(shard, picked, mbs), mbs)
     out = out.to(dtype=lp.dtype, device=lp.device)
     out[picked] = lp[: len(picked)]
     return out

@@ -265,9 +265,9 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     if calib.enabled:
         tokens_per_rank = int(samples * seq_len / t.num_minibatches / (dp * lay.cp))
         off_policy = t.num_minibatches * t.ppo_epochs - 1
-        from megatron_rl.algo.calibration import HIST_LOG_MAX, HIST_LOG_MIN, MAX_SAMPLES_PER_RANK
+        from megatron_rl.algo.calibration import HIST_BINS, HIST_LOG_MAX, HIST_LOG_MIN, MAX_SAMPLES_PER_RANK
 
-        kw = dict(world_size=dp * lay.cp, max_samples_per_rank=MAX_SAMPLES_PER_RANK, hist_bins=calib.hist_bins,
+        kw = dict(world_size=dp * lay.cp, max_samples_per_rank=MAX_SAMPLES_PER_RANK, hist_bins=HIST_BINS,
                   hist_log_min=HIST_LOG_MIN, hist_log_max=HIST_LOG_MAX)
         # an event: the targets' reduce + one solve over the step's off-policy tokens; per_step repeats that solve on
         # every step; per_minibatch adds a pre-pass solve per off-policy mini-batch on every step
@@ -287,7 +287,7 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                                      calibrating=calib.enabled,
                                      calibrate_every=calib.calibrate_every, shadow_fraction=calib.shadow_fraction,
                                      num_minibatches=t.num_minibatches,
-                                     decides_every_step=cfg.algo.every_step_decision_scale(prec.recipe) != 1.0)
+                                     decision_share=cfg.algo.every_step_hp_share(prec.recipe))
     rollout_gpus = lay.engine_gpus if lay.engine_kind != "embedded" else replicas * r.engine_tp_size
     per_gpu_weights = em.weights if em else memory.served_weight_bytes(arch, fp8_rollout) // r.engine_tp_size
     kv_token = em.kv_bytes_per_token if em else memory.kv_bytes_per_token(arch, r.engine_tp_size, False)
@@ -302,7 +302,9 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
                                            prefill_flops_per_token=throughput.forward_flops_per_token(arch, opt.prompt_tokens / 2),
                                            peak_flops=peak, mfu=opt.mfu, decode_tps=decode),
         learner=throughput.learner_seconds(flops, lay.learner_gpus, device.bf16_flops, opt.mfu,
-                                           opt.fp8_speedup if prec.recipe != "none" else 1.0),
+                                           opt.fp8_speedup if prec.recipe != "none" else 1.0,
+                                           # the layers' share of the FLOPs, as the layer count's share
+                                           min(1.0, 2 * prec.first_last_layers_high_precision / arch.num_layers)),
         weight_sync=throughput.sync_seconds(payload, device.network_bytes_per_s, True),
         overlapped=throughput.overlapped(r))
     findings += _calibration_cost(flops, step, lay.learner_gpus, device.bf16_flops, opt, prec.recipe)
@@ -323,8 +325,10 @@ def _calibration_cost(flops: throughput.LearnerFlops, step: throughput.StepTime,
     if flops.shadow <= 0 or gpus <= 0:
         return []
     extra = flops.shadow / (gpus * peak_flops * opt.mfu)
+    without = step.learner - extra
     out = [Finding("calibration-cost", "info",
-                   f"high-precision forwards of calibration: {extra:.1f} s of the learner's {step.learner:.1f} s, "
+                   f"high-precision forwards of calibration: {extra:.1f} s of the learner's {step.learner:.1f} s "
+                   f"(+{extra / without:.1%} on the {without:.1f} s it takes without them), "
                    f"{extra / step.total:.0%} of the {step.total:.1f} s step")]
     bf16 = throughput.learner_seconds(throughput.LearnerFlops(flops.train, flops.forward_only, 0.0), gpus, peak_flops,
                                       opt.mfu, 1.0)

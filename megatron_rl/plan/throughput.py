@@ -33,8 +33,8 @@ class LearnerFlops:
     """Old log-probs (1 forward) + KL reference forward when on."""
     shadow: float
     """High-precision forwards per step (`high_precision_forwards`): those of a clip decided on high-precision ratios on
-    every step (calibration's default strength=decision, or algo.policy_loss.clip_decision=high_precision), else the
-    calibration shadow's, x shadow_fraction / calibrate_every (amortised over its events)."""
+    every step (strength=decision or algo.policy_loss.clip_decision=high_precision: every answer; strength=targeted:
+    x targeted_fraction), else the calibration shadow's, x shadow_fraction / calibrate_every (amortised over its events)."""
 
     @property
     def total(self) -> float:
@@ -54,14 +54,15 @@ def high_precision_forwards(num_minibatches: int, ppo_epochs: int) -> float:
 
 def learner_flops(arch: Architecture, tokens: float, context: float, *, ppo_epochs: int, kl: bool,
                   calibrating: bool, calibrate_every: int, shadow_fraction: float, num_minibatches: int,
-                  decides_every_step: bool = False) -> LearnerFlops:
-    """Learner FLOPs per step for `tokens` trained tokens (see LearnerFlops for each term). `decides_every_step`: the
-    clip is decided on high-precision ratios on every step (its forwards then cover every event's shadow too)."""
+                  decision_share: float = 0.0) -> LearnerFlops:
+    """Learner FLOPs per step for `tokens` trained tokens (see LearnerFlops for each term). `decision_share` (> 0):
+    that share of the answers has its clip decided on high-precision ratios on every step
+    (AlgoConfig.every_step_hp_share; no calibration event adds a shadow of its own then)."""
     fwd = forward_flops_per_token(arch, context) * tokens
     share = high_precision_forwards(num_minibatches, ppo_epochs)
     shadow = 0.0
-    if decides_every_step:
-        shadow = fwd * share
+    if decision_share > 0:
+        shadow = fwd * share * decision_share
     elif calibrating:
         shadow = fwd * share * shadow_fraction / calibrate_every
     return LearnerFlops(train=3 * fwd * ppo_epochs, forward_only=fwd * (2 if kl else 1), shadow=shadow)
@@ -118,11 +119,15 @@ class StepTime:
         return work + self.weight_sync
 
 
-def learner_seconds(flops: LearnerFlops, gpus: int, peak_flops: float, mfu: float, fp8_speedup: float) -> float:
-    """(train + forward_only) / fp8_speedup + shadow (the shadow pass is high precision), over gpus x peak x MFU."""
+def learner_seconds(flops: LearnerFlops, gpus: int, peak_flops: float, mfu: float, fp8_speedup: float,
+                    high_precision_share: float = 0.0) -> float:
+    """(train + forward_only) / fp8_speedup + shadow (the shadow pass is high precision), over gpus x peak x MFU;
+    `high_precision_share` of the FP8 passes' FLOPs (layers kept in high precision,
+    precision.first_last_layers_high_precision) runs without the speed-up."""
     if gpus <= 0:
         return math.inf
-    return ((flops.train + flops.forward_only) / fp8_speedup + flops.shadow) / (gpus * peak_flops * mfu)
+    fp8_passes = (flops.train + flops.forward_only) * ((1 - high_precision_share) / fp8_speedup + high_precision_share)
+    return (fp8_passes + flops.shadow) / (gpus * peak_flops * mfu)
 
 
 def rollout_seconds(*, prompts: int, samples: int, prompt_tokens: int, response_tokens: float, replicas: int,

@@ -24,6 +24,10 @@ same two weight sets, so the variants differ only in how the forwards quantize:
     activations, each GEMM operand's amax recorded in theta_old's forward of the same micro-batch;
     precision/scale_book.py), with only the weights' and only the activations' scales reused; what is left is the
     rounding of what moved. Per-tensor recipes only (tensorwise); other recipes leave the (d) rows out.
+(e) free predictors: the share of sum e^2 and of the tail held by the 10% of answers a selector ranks first from
+    what an FP8 run already has before its updates (the FP8 forward's entropy at theta_old summed or maxed over the
+    answer, the summed |rollout engine log-prob - FP8 learner log-prob|), beside the oracle (sum e^2) and chance.
+    This is what a targeted high-precision decision (algo.calibration.strength=targeted) can reach.
 
 Output: OUT/ratio_error_sources_seed<seed>.json (every number) and .md (the tables, with the command).
 """
@@ -47,6 +51,8 @@ ROLES = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj
 ENTROPY_EDGES = (0.0, 0.01, 0.1, 0.3, 1.0, math.inf)
 """Buckets of the high-precision entropy (nats) of the next-token distribution at theta_old."""
 TOP_SEQUENCE_SHARES = (0.01, 0.05, 0.10)
+PREDICTOR_TOP_SHARE = 0.10
+"""Share of answers a predictor of section (e) picks (the targeted decision's default fraction)."""
 
 
 class RoleBook(ScaleBook):
@@ -158,6 +164,32 @@ def sequence_concentration(e: np.ndarray, seq: np.ndarray, tail_threshold: float
     return out
 
 
+def predictor_capture(e: np.ndarray, seq: np.ndarray, scores: dict[str, np.ndarray], tail_threshold: float,
+                      top_share: float = PREDICTOR_TOP_SHARE) -> list[dict[str, float]]:
+    """Per predictor (token-level scores, summed per answer, or maxed where the name starts with max), the shares of sum e^2
+    and of the tail tokens held by the answers it ranks in its top `top_share`; plus the oracle and chance."""
+    ids = np.unique(seq)
+    k = max(1, int(round(top_share * ids.size)))
+    sq = np.array([(e[seq == s] ** 2).sum() for s in ids])
+    tl = np.array([(np.abs(e[seq == s]) > tail_threshold).sum() for s in ids])
+
+    def shares(order: np.ndarray) -> tuple[float, float]:
+        top = order[:k]
+        return float(sq[top].sum() / max(sq.sum(), 1e-300)), float(tl[top].sum() / max(tl.sum(), 1))
+
+    rows = []
+    for name, token_score in [("oracle: sum e^2", None), *scores.items()]:
+        if token_score is None:
+            per_answer = sq
+        else:
+            reduce = np.max if name.startswith("max") else np.sum
+            per_answer = np.array([reduce(token_score[seq == s]) for s in ids])
+        sq_share, tail_share = shares(np.argsort(-per_answer, kind="stable"))
+        rows.append({"predictor": name, "answers": k, "of": int(ids.size), "sq_share": sq_share, "tail_share": tail_share})
+    rows.append({"predictor": "chance", "answers": k, "of": int(ids.size), "sq_share": k / ids.size, "tail_share": k / ids.size})
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the measurement
 # ---------------------------------------------------------------------------------------------------------
@@ -201,7 +233,7 @@ def measure(cfg, hf: Path, batch, vocab: int, say: Callable[[str], None]) -> dic
         with high_precision():
             hp0, ent0 = learner.forward_logprobs(batch, mbs)
         with book.recording():
-            lp0 = learner.forward_logprobs(batch, mbs)[0]
+            lp0, ent_lp0 = learner.forward_logprobs(batch, mbs)
     with book.paused():
         old = {label: (lp0 if not names else forward(names)) for _, label, names in plan}
         mb = with_token_weights(batch.with_fields(old_logprobs=lp0.detach()), cfg.algo.policy_loss.agg_mode, agg_max_len(cfg))
@@ -229,7 +261,11 @@ def measure(cfg, hf: Path, batch, vocab: int, say: Callable[[str], None]) -> dic
             "reused": {label: err(lp, lp0) for label, lp in reused.items()},
             "forward_error": (lp0 - hp0)[mask].double().cpu().numpy(),
             "hp_log_ratio": hp_ratio.double().cpu().numpy(), "p_hp": hp0[mask].exp().double().cpu().numpy(),
-            "entropy": ent0[mask].double().cpu().numpy(), "pos": (torch.cumsum(mask.long(), dim=1) - 1)[mask].cpu().numpy(),
+            "entropy": ent0[mask].double().cpu().numpy(),
+            "predictors": {"sum FP8 entropy": ent_lp0[mask].double().cpu().numpy(),
+                           "max FP8 entropy": ent_lp0[mask].double().cpu().numpy(),
+                           "sum |engine - FP8 learner log-prob|": (batch.rollout_logprobs - lp0)[mask].abs().double().cpu().numpy()},
+            "pos": (torch.cumsum(mask.long(), dim=1) - 1)[mask].cpu().numpy(),
             "seq": rows[mask].cpu().numpy(), "recipe": precision.recipe, "num_layers": learner.arch.num_layers,
             "update": {k: float(update[k]) for k in ("grad_norm", "lr", "update_skipped") if k in update}}
 
@@ -247,6 +283,7 @@ def analyse(m: dict[str, Any], bucket_width: int = 5) -> dict[str, Any]:
     a = np.abs(base)
     return {"tail_threshold": thr, "baseline": error_stats(base, thr), "gemms": gemms, "tokens": tokens,
             "sequences": sequence_concentration(base, m["seq"], thr), "change": change,
+            "predictors": predictor_capture(base, m["seq"], m["predictors"], thr),
             "forward_error": error_stats(m["forward_error"], float(np.percentile(np.abs(m["forward_error"]), 99))),
             "hp_log_ratio": error_stats(m["hp_log_ratio"], math.inf),
             "tail_sign": {"positive": float((base[a > thr] > 0).mean()) if (a > thr).any() else math.nan},
@@ -364,5 +401,9 @@ def markdown(r: dict[str, Any]) -> str:
                          f"{_f(c['sq_left'], 3)} | {_f(c['tail_left'], 3)} |")
     else:
         lines.append(f"Not measured: recipe {r['recipe']} has no per-tensor scales to reuse.")
+    lines += ["", f"## (e) Which answers a selector finds for free (top {100 * PREDICTOR_TOP_SHARE:.0f}%)", "",
+              "| ranked by | answers | share of sum e^2 | share of tail |", "|---|---|---|---|"]
+    for row in r.get("predictors", []):
+        lines.append(f"| {row['predictor']} | {row['answers']} of {row['of']} | {_f(row['sq_share'], 3)} | {_f(row['tail_share'], 3)} |")
     lines += ["", f"Wall time {r['wall_s']:.0f} s.", ""]
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calibration_spec import spec_solve
-from megatron_rl.algo.calibration import HIST_LOG_MAX, HIST_LOG_MIN
+from megatron_rl.algo.calibration import HIST_BINS, HIST_LOG_MAX, HIST_LOG_MIN
 from megatron_rl.algo.clipper import CalibratedClipper
 from megatron_rl.algo.ratio_stats import SampleStats
 from megatron_rl.config.algo import CalibrationConfig
@@ -165,7 +165,7 @@ def test_alpha_zero_keeps_a_lower_trust_region(backend):
     sol = clipper.solve(stats, smooth=False, quantile="next_tokens")
     assert clipper.targets.alpha == 0.0
     lowest = float(r8[adv < 0].min())
-    bin_width = (HIST_LOG_MAX - HIST_LOG_MIN) / cfg.hist_bins
+    bin_width = (HIST_LOG_MAX - HIST_LOG_MIN) / HIST_BINS
     assert sol.lower == pytest.approx(lowest, rel=1e-6 if backend == "allgather" else 2 * bin_width)
     assert sol.lower > cfg.lower_min
     want = spec_solve(r8.numpy(), r_hp.numpy(), adv.numpy(), eps_low=0.2, eps_high=0.28, quantile="next_tokens")

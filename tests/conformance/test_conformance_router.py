@@ -85,9 +85,24 @@ def test_the_slurm_router_step_starts_again_on_its_port_once_the_port_is_free():
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     port = holder.getsockname()[1]
+    import threading
+
     router = _router_on(port, 5, {**os.environ, "RETRY_WAIT_S": "2"})
+    lines: list[str] = []
+    first_try_failed = threading.Event()
+
+    def read() -> None:
+        for line in router.stdout:
+            lines.append(line)
+            if f"port {port} in use (try 1 of 5)" in line:
+                first_try_failed.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(3)  # the first try has exited on the held port by now (0.6 s measured)
+        # the port is freed only once the first try has failed on it (0.6 s measured on a quiet box; a loaded one
+        # can take several seconds just to start the router)
+        assert first_try_failed.wait(120), "the first try never reported the held port"
         assert router.poll() is None
         holder.close()
         deadline = time.time() + 60
@@ -99,8 +114,11 @@ def test_the_slurm_router_step_starts_again_on_its_port_once_the_port_is_free():
                 assert router.poll() is None and time.time() < deadline, "the router never came up on its port"
                 time.sleep(0.5)
     finally:
+        holder.close()
         os.killpg(router.pid, signal.SIGKILL)  # the wrapper and the router it started
-        out = router.communicate(timeout=30)[0]
+        router.wait(timeout=30)
+        reader.join(timeout=30)
+    out = "".join(lines)
     assert "Address already in use" in out and f"port {port} in use (try 1 of 5)" in out
 
 
