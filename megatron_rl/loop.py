@@ -71,6 +71,7 @@ def train_on_batch(session: RunSession, batch, step: int, timers: Timers) -> dic
                                                row_groups=batching.old_logprob_row_groups(batch.batch_size, cfg.train, step))
         batch = with_sequence_rollout_weights(batch, cfg.algo)
         batch = error_scale.with_targeted_rows(batch, session.clipper, gate_open, on_policy_only)
+        metrics.update(error_scale.targeted_metrics(batch, on_policy_only))
         # no-op unless a decision needs it
         batch = error_scale.with_old_logprobs_hp(learner, batch, mbs, cfg.algo, gate_open, on_policy_only)
     calib = StepCalibration(session.clipper, plan, cfg, session.run_dir)

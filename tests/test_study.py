@@ -586,3 +586,52 @@ def test_the_many_seed_and_harm_specs_reuse_the_runs_they_share():
     assert _assert_shared_runs_agree("deep_addtrace_nvfp4_k0.yaml", ("deep_addtrace_dose_seeds.yaml",)) == 12
     # hp and the clip decided on the high-precision ratio (k = 0) on seeds 1-9
     assert _assert_shared_runs_agree("deep_addtrace_dose_k4_seeds.yaml", ("deep_addtrace_dose_seeds.yaml",)) == 2 * 9
+
+
+def test_frontier_groups_arms_into_settings_pairs_them_with_vanilla_and_plans_their_cost(tmp_path):
+    """A frontier study: k-free settings (high-precision learner, decision) fill both k columns from one arm, k-dependent
+    ones pair their k = 1 and k = 8 arms, each against vanilla FP8 seed by seed; the planned cost carries the setting's
+    calibration (decision costs far more than 5% of vanilla's learner, targeted does not)."""
+    from megatron_rl.study.frontier import plan_overrides, settings, write_frontier_report
+
+    fp8 = {"precision.recipe": "blockwise"}
+    cal = {**fp8, "algo.calibration.enabled": True}
+    arms = [{"name": "hp", "overrides": {}},
+            {"name": "split", "overrides": {"precision.rollout_quantization": "fp8-blockwise"}},
+            {"name": "fp8", "overrides": fp8},
+            {"name": "fp8_k8", "overrides": {**fp8, "algo.experimental.clip_error_scale": 8.0}},
+            {"name": "decision", "overrides": {**cal, "algo.calibration.strength": "decision"}},
+            {"name": "targeted", "overrides": {**cal, "algo.calibration.strength": "targeted"}},
+            {"name": "targeted_k8", "overrides": {**cal, "algo.calibration.strength": "targeted",
+                                                  "algo.experimental.clip_error_scale": 8.0}}]
+    study = load_study(_spec(tmp_path, arms=arms, seeds=[1, 2], frontier=True))
+    groups = {s.name: s for s in settings(study)}
+    assert list(groups) == ["hp", "split", "fp8", "decision", "targeted"]
+    assert groups["targeted"].arms == {1.0: "targeted", 8.0: "targeted_k8"} and not groups["targeted"].k_free
+    assert groups["decision"].k_free and groups["hp"].k_free and groups["split"].k_free
+    assert groups["decision"].arm_at(8.0) == "decision" and groups["fp8"].arm_at(8.0) == "fp8_k8"
+    assert [s.name for s in groups.values() if s.vanilla] == ["fp8"]
+    assert "algo.calibration.strength=targeted" in plan_overrides(groups["targeted"])
+    assert "precision.recipe=none" in plan_overrides(groups["hp"])
+    assert "precision.rollout_quantization=fp8-blockwise" in plan_overrides(groups["split"])
+    # eval_after = 0.2 + k
+    for arm, seed, k in (("hp", 1, 0.8), ("hp", 2, 0.8), ("split", 1, 0.7), ("split", 2, 0.75), ("fp8", 1, 0.6),
+                         ("fp8", 2, 0.65), ("fp8_k8", 1, 0.3), ("fp8_k8", 2, 0.4), ("decision", 1, 0.7),
+                         ("decision", 2, 0.7), ("targeted", 1, 0.6), ("targeted", 2, 0.7), ("targeted_k8", 1, 0.5)):
+        _fake_run(study, arm, seed, k, dumps=False)
+    out = write_frontier_report(study)
+    text = out.read_text()
+    assert (out.parent / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    k1, k8 = text.split("## Quality at k = 8")
+    line = lambda part, name: next(ln for ln in part.splitlines() if ln.startswith(f"| `{name}` |"))
+    cells = lambda part, name: [c.strip() for c in line(part, name).split("|")[1:-1]]
+    assert line(k1, "fp8").endswith("| 50.0 | (vanilla) | 82.5 | (vanilla) |")  # reward/mean is 0.5 in every fake run
+    assert cells(k1, "decision")[4:6] == ["90.0", "+7.5 [+5.0, +10.0], p 0.50"]
+    assert cells(k8, "decision")[4:6] == ["90.0", "+35.0 [+30.0, +40.0], p 0.50"]  # one run, both k
+    assert cells(k8, "targeted")[1] == "1"   # seed 2's k = 8 run is missing: one seed, paired on seed 1
+    assert cells(k8, "targeted")[5] == "+20.0"
+    cost = text.split("## Cost")[1]
+    ratio = lambda name: [float(c) for c in cells(cost, name)[2::4][:2]]  # 8B and 32B x vanilla
+    assert ratio("fp8") == [1.0, 1.0]
+    assert all(r > 1.2 for r in ratio("decision")) and all(1.0 < r <= 1.05 for r in ratio("targeted"))
+    assert all(r > 1.1 for r in ratio("hp")) and ratio("split") == ratio("hp")

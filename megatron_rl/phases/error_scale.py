@@ -55,7 +55,9 @@ def active(algo: AlgoConfig, gate_open: bool = False) -> bool:
 
 def with_targeted_rows(batch: TrainBatch, clipper, gate_open: bool, on_policy_only_rows: Sequence[int] = ()) -> TrainBatch:
     """strength=targeted: the step batch with `hp_decision_rows`, its targeted off-policy rows (every rank picks the
-    same from the gathered FP8 entropy of the log-prob phase); unchanged otherwise."""
+    same from the gathered FP8 entropy of the log-prob phase) and the `on_policy_only_rows`, which only the on-policy
+    first update trains: their high-precision ratio is exactly 1 without any forward (the decision's too); unchanged
+    otherwise."""
     fraction = clipper.targeted_fraction() if gate_open else None
     if fraction is None:
         return batch
@@ -63,7 +65,21 @@ def with_targeted_rows(batch: TrainBatch, clipper, gate_open: bool, on_policy_on
         raise ValueError("algo.calibration.strength=targeted ranks answers by pi_old's entropy: run the log-prob phase first")
     skip = set(on_policy_only_rows)
     candidates = [i for i in range(batch.batch_size) if i not in skip]
-    return batch.with_fields(hp_decision_rows=targeted_rows(batch.old_entropy, batch.loss_mask, candidates, fraction))
+    rows = targeted_rows(batch.old_entropy, batch.loss_mask, candidates, fraction)
+    rows[list(skip)] = True
+    return batch.with_fields(hp_decision_rows=rows)
+
+
+def targeted_metrics(batch: TrainBatch, on_policy_only_rows: Sequence[int] = ()) -> dict[str, float]:
+    """calib/targeted_token_share: the targeted answers' share of the off-policy answers' tokens (strength=targeted)."""
+    if batch.hp_decision_rows is None:
+        return {}
+    off = torch.ones(batch.batch_size, dtype=torch.bool, device=batch.loss_mask.device)
+    off[list(on_policy_only_rows)] = False
+    tokens = (batch.loss_mask > 0).sum(dim=1)
+    targeted = batch.hp_decision_rows.to(off.device) & off
+    total = int(tokens[off].sum())
+    return {"calib/targeted_token_share": int(tokens[targeted].sum()) / total if total else float("nan")}
 
 
 def _forwarded_rows(batch: TrainBatch, algo: AlgoConfig) -> Optional[torch.Tensor]:
@@ -92,7 +108,7 @@ def with_old_logprobs_hp(learner, batch: TrainBatch, micro_batch_size: int, algo
         return batch
     skip = set(on_policy_only_rows)
     rows = [i for i in range(batch.batch_size) if i not in skip]
-    limit = _forwarded_rows(batch, algo)
+    limit = _forwarded_rows(batch, algo)  # on-policy-only rows are in it, but need no forward
     if limit is not None:
         rows = [i for i in rows if bool(limit[i])]
     return batch.with_fields(old_logprobs_hp=shadow_old_logprobs(learner, batch, rows, micro_batch_size))
@@ -140,8 +156,6 @@ def clip_decision(logprobs: torch.Tensor, mb: TrainBatch, algo: AlgoConfig,
     forwarded = _forwarded_rows(mb, algo)
     if forwarded is not None:  # the high-precision ratio exists on the targeted rows only: compare both there
         mask = mask * forwarded.to(mask.device)[:, None]
-        sums["calib/targeted_token_share/num"] = (mask > 0).sum()
-        sums["calib/targeted_token_share/den"] = (mb.loss_mask > 0).sum()
     sums.update(M.clip_fraction_sums(r_lp, mb.advantages, mask, lower, upper, prefix="experimental/lp_"))
     sums.update(M.clip_fraction_sums(r_hp, mb.advantages, mask, lower, upper, prefix="experimental/hp_"))
     return r_k, sums

@@ -263,4 +263,9 @@ def write_report(study: Study) -> Path:
     for r in records:
         if r.status != "done":
             notes.append(f"`{r.arm}` seed {r.seed}: {r.status} ({len(r.rows)} steps logged); not in the statistics")
-    return results.write_results(study, records, figures, notes)
+    out = results.write_results(study, records, figures, notes)
+    if study.spec.frontier:
+        from megatron_rl.study.frontier import write_frontier_report
+
+        write_frontier_report(study)
+    return out

@@ -102,6 +102,8 @@ class StudySpec(StrictConfig):
     """'from step N' metrics average the steps from this one on (e.g. once the first calibration solve took effect)."""
     smooth_window: int = 5
     """Centered rolling-mean window (steps) of the dense curves in curves.png (1: raw)."""
+    frontier: bool = False
+    """Also write FRONTIER.md and frontier.png: each setting's quality at k = 1 and 8 against its planned cost at 8B and 32B (megatron_rl/study/frontier.py)."""
 
     @model_validator(mode="after")
     def _check(self) -> "StudySpec":
