@@ -12,6 +12,8 @@ batch (random tokens and per-sequence advantages, rollout log-probs = the policy
     decision            the default (strength=decision): every clip decided on its high-precision ratio, so every
                         step forwards pi_old in high precision on the rows an off-policy update trains and the
                         current policy before every off-policy update; calibration events only measure
+    targeted            strength=targeted: the decision's forwards for the targeted_fraction (0.1) of off-policy
+                        rows with the most summed FP8 entropy of pi_old only
     per_step            strength=full (the paper's bounds) with bounds_update=per_step: shadow forwards on
                         calibration steps (shadow_fraction 0.5), and on every step one pooled solve over the FP8
                         ratios the training forwards computed (no extra forward)
@@ -130,6 +132,7 @@ def variants(fraction: float) -> dict[str, list[str]]:
     return {
         "off": ["algo.calibration.enabled=false"],
         "decision": [on, "algo.calibration.strength=decision"],
+        "targeted": [on, "algo.calibration.strength=targeted"],
         "per_step": [*full, "algo.calibration.bounds_update=per_step"],
         "per_step@1": [*full, "algo.calibration.bounds_update=per_step", "algo.calibration.shadow_fraction=1.0"],
         "per_calibration": [*paper, "algo.calibration.bounds_update=per_calibration"],
