@@ -180,7 +180,7 @@ def cmd_study(args) -> int:
         failed = measure_study(study, args.hp_steps, ("hp", "own") if args.hp_own else ("hp",), args.hp_prompts,
                                args.hp_eval_prompts, only_arms=args.arms)
         return 1 if run_study(study, report_only=True) + failed else 0
-    failed = run_study(study, report_only=args.report_only, only_arms=args.arms)
+    failed = run_study(study, report_only=args.report_only, only_arms=args.arms, only_seeds=args.seeds)
     return 1 if failed else 0
 
 
@@ -260,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-only", action="store_true", help="only rewrite RESULTS.md and the plots from the runs on disk")
     p.add_argument("--arms", nargs="+", metavar="ARM", default=None,
                    help="run only these arms (the others are left for a later invocation; the report covers every arm)")
+    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", default=None,
+                   help="run only these of the spec's seeds (the report covers every seed that ran)")
     p.add_argument("--hp-measure", action="store_true",
                    help="train nothing: measure every finished run's saved weights in high precision (megatron-rl "
                         "hp-measure, skipping what is measured), then rewrite RESULTS.md")

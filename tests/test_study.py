@@ -109,7 +109,7 @@ def test_late_checkpoint_values_take_the_second_half_and_need_two_checkpoints():
     assert math.isnan(value(late, {}))
 
 
-def test_only_the_named_arms_run_and_unknown_names_are_refused(tmp_path, monkeypatch):
+def test_only_the_named_arms_and_seeds_run_and_unknown_ones_are_refused(tmp_path, monkeypatch):
     from megatron_rl.study import runner
 
     study = load_study(_spec(tmp_path))
@@ -128,6 +128,12 @@ def test_only_the_named_arms_run_and_unknown_names_are_refused(tmp_path, monkeyp
     assert dirs == [f'run_dir="{study.run_dir("fp8", s)}"' for s in (1, 2)]
     with pytest.raises(StudyError, match="--arms bf16: not arms of this study"):
         runner.run_study(study, say=lambda m: None, only_arms=["bf16", "fp8"])
+    started.clear()
+    assert runner.run_study(study, say=lambda m: None, only_seeds=[2]) == 2  # both arms of seed 2
+    dirs = [next(o for o in cmd if o.startswith("run_dir=")) for cmd in started]
+    assert dirs == [f'run_dir="{study.run_dir(a, 2)}"' for a in ("hp", "fp8")]
+    with pytest.raises(StudyError, match="--seeds 7: not seeds of this study"):
+        runner.run_study(study, say=lambda m: None, only_seeds=[7])
 
 
 def test_report_dir_keeps_a_second_specs_report_apart(tmp_path):

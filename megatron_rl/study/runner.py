@@ -161,17 +161,23 @@ def _diff(old, new, prefix: str = "", before_field: Optional[dict] = None) -> li
 
 
 def run_study(study: Study, report_only: bool = False, say: Callable[[str], None] = print,
-              only_arms: Optional[Sequence[str]] = None) -> int:
-    """Run whatever is missing (of `only_arms` when given), then write RESULTS.md and the figures; returns the number of failed runs."""
+              only_arms: Optional[Sequence[str]] = None, only_seeds: Optional[Sequence[int]] = None) -> int:
+    """Run whatever is missing (of `only_arms` and `only_seeds` when given), then write RESULTS.md and the figures;
+    returns the number of failed runs."""
     failed = 0
     names = [a.name for a in study.spec.arms]
     unknown = sorted(set(only_arms or ()) - set(names))
     if unknown:
         raise StudyError(f"{study.spec_path}: --arms {' '.join(unknown)}: not arms of this study ({', '.join(names)})")
+    stray = sorted(set(only_seeds or ()) - set(study.spec.seeds))
+    if stray:
+        raise StudyError(f"{study.spec_path}: --seeds {' '.join(map(str, stray))}: not seeds of this study "
+                         f"({', '.join(map(str, study.spec.seeds))})")
     if not report_only:
         warm = prepare_warm_start(study, say)
         check_existing_runs(study, warm)
-        runs = [(arm, seed) for arm, seed in study.runs() if only_arms is None or arm in only_arms]
+        runs = [(arm, seed) for arm, seed in study.runs()
+                if (only_arms is None or arm in only_arms) and (only_seeds is None or seed in only_seeds)]
         for k, (arm, seed) in enumerate(runs, 1):
             run_dir = study.run_dir(arm, seed)
             if results.final_rl_state(run_dir, study.spec.steps) is not None:
