@@ -67,8 +67,6 @@ class TrainBatch:
     """[B, S] loss weights carrying the global aggregation (sum of weight*loss over all ranks = the loss)."""
     sample_index: Optional[torch.Tensor] = None
     """[B] int64 index of each row in the step's global sample list."""
-    old_entropy: Optional[torch.Tensor] = None
-    """[B, S] entropy of pi_old's next-token distributions (the log-prob phase's forward, learner precision)."""
     hp_decision_rows: Optional[torch.Tensor] = None
     """[B] bool: the rows whose clips are decided on high-precision ratios under strength=targeted (None: every row)."""
 

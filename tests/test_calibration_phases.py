@@ -204,7 +204,8 @@ def test_the_high_precision_decision_forwards_pi_old_on_the_off_policy_rows_only
 
 
 def test_the_targeted_decision_forwards_and_decides_only_its_rows(world_of_one):
-    """strength=targeted: the off-policy rows with the most summed FP8 entropy (targeted_fraction of them) run the
+    """strength=targeted: the off-policy rows whose engine log-probs differ most from the learner's FP8 pi_old (the
+    targeted_fraction of them, by the summed absolute gap over the answer) run the
     high-precision forwards, pi_old's and the current policy's, and only they are decided on the high-precision ratio;
     every other row's decision is its FP8 ratio bit for bit. With the instrument on every row is forwarded."""
     from megatron_rl.algo.clipper import make_clipper
@@ -219,11 +220,12 @@ def test_the_targeted_decision_forwards_and_decides_only_its_rows(world_of_one):
     assert not plan.event and not plan.solves  # nothing measured or solved: the decision is all it does
     batch = _batch()
     skip = batching.on_policy_only_rows(16, 2, 1, cfg.train.seed, 3)
-    entropy = torch.zeros(16, 10)
+    old = RecordingLearner().forward_logprobs(batch, 4)[0]
+    engine = old.clone()
     hot = [i for i in range(16) if i not in skip][:2]
-    entropy[hot, 5] = 1.0
-    entropy[skip[0], 5] = 5.0  # the most entropy, but only the on-policy update trains it: never targeted
-    batch = batch.with_fields(old_logprobs=RecordingLearner().forward_logprobs(batch, 4)[0], old_entropy=entropy)
+    engine[hot, 5] -= 1.0
+    engine[skip[0], 5] += 5.0  # the largest gap, but only the on-policy update trains it: never targeted
+    batch = batch.with_fields(old_logprobs=old, rollout_logprobs=engine)
     batch = error_scale.with_targeted_rows(batch, clipper, True, skip)
     # round(0.25 * 8) = 2 rows, and the on-policy-only rows (their high-precision ratio is 1 without a forward)
     assert batch.hp_decision_rows.nonzero().flatten().tolist() == sorted([*hot, *skip])

@@ -157,11 +157,14 @@ def test_high_precision_clip_decision_is_the_instrument_at_k0_and_clips_what_hig
 
 
 
-def test_the_default_decision_rule_refuses_a_loss_without_a_clip_decision_by_name():
-    """strength=decision (the default) decides the PPO clip: cispo has none, and the error names the rules that serve it."""
-    with pytest.raises(ConfigError, match="algo.calibration.strength=decision") as exc:
+@pytest.mark.parametrize("strength", ["targeted", "decision"])
+def test_the_clip_deciding_rules_refuse_a_loss_without_a_clip_decision_by_name(strength):
+    """strength=targeted (the default) and decision decide the PPO clip: cispo has none, and the error names the rule
+    that serves it."""
+    with pytest.raises(ConfigError, match=f"algo.calibration.strength={strength}") as exc:
         load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
-                    ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.policy_loss.name=cispo"])
+                    ["precision.recipe=blockwise", "algo.calibration.enabled=true", "algo.policy_loss.name=cispo",
+                     *([] if strength == "targeted" else [f"algo.calibration.strength={strength}"])])
     assert "algo.calibration.strength to full" in str(exc.value) and "cispo" in str(exc.value)
 
 
@@ -204,7 +207,7 @@ def _calibration_event(clippers, noise: float, generator: torch.Generator) -> No
         c.solve(stats, smooth=False)
 
 
-# algo.calibration.strength=decision (the default): every clip decided on its high-precision ratio from the first step
+# algo.calibration.strength=decision: every clip decided on its high-precision ratio from the first step
 
 def test_the_decision_rule_decides_from_the_first_step_moves_no_bound_and_measures_the_distortion():
     """strength=decision decides on high-precision ratios before any calibration event and after every one, holds
@@ -212,9 +215,9 @@ def test_the_decision_rule_decides_from_the_first_step_moves_no_bound_and_measur
     tokens as strength=full does (calib/gate_ratio reports the distortion) and resumes; a full checkpoint is refused
     under it by name (a run must not switch rules mid-way), and a decision checkpoint under full."""
     g = torch.Generator().manual_seed(3)
-    decision = CalibratedClipper(CalibrationConfig(enabled=True), eps_low=0.2, eps_high=0.2)
+    decision = CalibratedClipper(CalibrationConfig(enabled=True, strength="decision"), eps_low=0.2, eps_high=0.2)
     full = CalibratedClipper(CalibrationConfig(enabled=True, strength="full"), eps_low=0.2, eps_high=0.2)
-    assert decision.cfg.strength == "decision"  # the default
+    assert CalibrationConfig(enabled=True).strength == "targeted"  # the default
     assert decision.decides_on_high_precision() and not full.decides_on_high_precision()
     for noise in (0.01, 0.3, 0.3):
         _calibration_event((decision, full), noise, g)
@@ -234,12 +237,14 @@ def test_the_decision_rule_decides_from_the_first_step_moves_no_bound_and_measur
 
 
 @pytest.mark.parametrize("overrides", [
-    [], ["precision.recipe=tensorwise"], ["precision.recipe=tensorwise", "algo.calibration.enabled=true"],
+    [], ["precision.recipe=tensorwise"],
+    ["precision.recipe=tensorwise", "algo.calibration.enabled=true", "algo.calibration.strength=decision"],
     ["precision.recipe=tensorwise", "algo.calibration.enabled=true", "algo.calibration.strength=full"],
     ["precision.recipe=tensorwise", "algo.policy_loss.clip_decision=high_precision"],
     ["precision.recipe=tensorwise", "algo.experimental.clip_error_scale=8"],
-    ["precision.recipe=tensorwise", "algo.experimental.clip_error_scale=8", "algo.calibration.enabled=true"],
-    ["algo.calibration.enabled=true"]])
+    ["precision.recipe=tensorwise", "algo.experimental.clip_error_scale=8", "algo.calibration.enabled=true",
+     "algo.calibration.strength=decision"],
+    ["algo.calibration.enabled=true", "algo.calibration.strength=decision"]])
 def test_the_config_level_decision_scale_is_the_loops_at_the_first_step(overrides):
     """The planner and the study reports read every_step_decision_scale from the config; it must be the k the loop's
     first step decides at."""
@@ -248,3 +253,16 @@ def test_the_config_level_decision_scale_is_the_loops_at_the_first_step(override
                                 eps_high=cfg.algo.policy_loss.eps_high) if cfg.algo.calibration.enabled else None
     first_step = error_scale.decision_scale(cfg.algo, error_scale.gate_open(clipper, cfg.precision.recipe))
     assert cfg.algo.every_step_decision_scale(cfg.precision.recipe) == first_step
+
+
+def test_the_default_targeted_rule_decides_a_share_of_the_answers_per_row():
+    """strength=targeted (the default) decides its targeted rows at k = 0 and the others at the instrument's k: the
+    config's every-step k is the untargeted rows' and its high-precision share the targeted_fraction, which the planner
+    reads."""
+    for k in (1.0, 8.0):
+        cfg = load_config(REPO / "examples" / "configs" / "tiny_grpo.yaml",
+                          ["precision.recipe=tensorwise", "algo.calibration.enabled=true",
+                           f"algo.experimental.clip_error_scale={k}"])
+        assert cfg.algo.calibration.strength == "targeted"
+        assert cfg.algo.every_step_decision_scale("tensorwise") == k
+        assert cfg.algo.every_step_hp_share("tensorwise") == (cfg.algo.calibration.targeted_fraction if k == 1.0 else 1.0)

@@ -81,7 +81,7 @@ WARNINGS = {
     "engine-gpus-idle": dict(overrides=["rollout.num_engines=7"]),
     "kv-cache-limits-concurrency": dict(overrides=["rollout.concurrency=128"]),
     "learner-needs-recompute": dict(overrides=["train.micro_batch_size=4"]),
-    "calibration-slower-than-bf16": dict(overrides=["algo.calibration.enabled=true"]),
+    "calibration-slower-than-bf16": dict(overrides=["algo.calibration.enabled=true", "algo.calibration.strength=decision"]),
 }
 
 
@@ -257,17 +257,20 @@ def test_plan_shows_kv_memory_and_the_concurrency_fp8_kv_buys():
 
 
 def test_the_high_precision_forwards_follow_the_calibration_rule():
-    """The learner estimate counts the high-precision forwards each step runs: under calibration's default
-    (strength=decision) pi_old on the off-policy rows and each off-policy update's rows, every step (1 step batch at 2
-    mini-batches and 1 epoch); the shadow of strength=full only on its events (/ calibrate_every, x shadow_fraction);
-    none without calibration, and only the events' shadow in high precision (nothing to decide); so the decision's
-    learner time is the highest of them."""
+    """The learner estimate counts the high-precision forwards each step runs: under strength=decision pi_old on the
+    off-policy rows and each off-policy update's rows, every step (1 step batch at 2 mini-batches and 1 epoch); under
+    the default strength=targeted the same for its targeted_fraction of the rows; the shadow of strength=full only on
+    its events (/ calibrate_every, x shadow_fraction); none without calibration, and only the events' shadow in high
+    precision (nothing to decide); so the decision's learner time is the highest of them."""
     from megatron_rl.plan.throughput import high_precision_forwards
 
     assert high_precision_forwards(2, 1) == 1.0 and high_precision_forwards(4, 1) == 0.75 + 0.75
     assert high_precision_forwards(2, 2) == 1.0 + 1.5  # with a second epoch every row is trained off-policy
     grpo = ["train.num_minibatches=2", "train.ppo_epochs=1", "algo.calibration.enabled=true"]
-    decision, full = _plan(grpo), _plan([*grpo, "algo.calibration.strength=full"])
+    decision, full = _plan([*grpo, "algo.calibration.strength=decision"]), _plan([*grpo, "algo.calibration.strength=full"])
+    targeted = _plan(grpo)  # the default
+    assert targeted.flops.shadow == pytest.approx(0.1 * decision.flops.shadow)
+    assert full.step_time.learner < targeted.step_time.learner < decision.step_time.learner
     off, hp = _plan([*grpo, "algo.calibration.enabled=false"]), _plan([*grpo, "precision.recipe=none"])
     forward = decision.flops.forward_only  # one forward of the step's tokens (no KL reference in this config)
     assert decision.flops.shadow == pytest.approx(forward)
@@ -284,12 +287,14 @@ def test_plan_reports_the_calibration_cost_and_warns_when_it_outruns_bf16():
     (at FP8 blockwise's 1.2x) make the learner slower than BF16's, which is a warning naming the cheaper choices; the
     paper's rule every 20 steps costs ~1% and does not warn; vanilla bounds report no cost at all."""
     codes = lambda plan: {f.code: f for f in plan.findings}  # noqa: E731
-    decision = codes(_plan(["algo.calibration.enabled=true"]))
+    decision = codes(_plan(["algo.calibration.enabled=true", "algo.calibration.strength=decision"]))
     assert decision["calibration-cost"].level == "info" and "% of the" in decision["calibration-cost"].message
     warning = decision["calibration-slower-than-bf16"]
     assert warning.level == "warning" and "algo.calibration.enabled=false" in warning.message
     full = codes(_plan(["algo.calibration.enabled=true", "algo.calibration.strength=full"]))
     assert "calibration-cost" in full and "calibration-slower-than-bf16" not in full
+    targeted = codes(_plan(["algo.calibration.enabled=true"]))  # the default rule: +4.5% of the learner, no warning
+    assert "calibration-cost" in targeted and "calibration-slower-than-bf16" not in targeted
     assert not {"calibration-cost", "calibration-slower-than-bf16"} & set(codes(_plan()))
     # the split's BF16 learner runs no high-precision forward beyond its own: nothing to report
     split = codes(_plan(config="qwen3_8b_bf16_learner_fp8_rollout_grpo.yaml"))

@@ -295,3 +295,10 @@ def test_summary_counts_the_steps_decided_on_high_precision_ratios():
     assert dict(summary_rows(closed, 0.5, 0.5, wall_s=1.0))["clip decided on high-precision ratios (vanilla bounds)"] == "0 of 6 steps"
     plain = [{"step": s} for s in range(6)]
     assert not any(label.startswith("clip decided") for label, _ in summary_rows(plain, 0.5, 0.5, wall_s=1.0))
+    # strength=targeted also says which share of the off-policy answers' tokens it decided so
+    targeted = [{**r, "calib/targeted_token_share": 0.1 + 0.02 * r["step"]} for r in rows]
+    labels = [label for label, _ in summary_rows(targeted, 0.5, 0.5, wall_s=1.0)]
+    at = labels.index("off-policy answer tokens decided so (targeted, mean)")
+    assert labels[at - 1] == "clip decided on high-precision ratios (vanilla bounds)"
+    assert dict(summary_rows(targeted, 0.5, 0.5, wall_s=1.0))[labels[at]].startswith("0.15")
+    assert "off-policy answer tokens decided so (targeted, mean)" not in dict(summary_rows(rows, 0.5, 0.5, wall_s=1.0))

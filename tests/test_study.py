@@ -535,14 +535,15 @@ def test_dose_report_pairs_every_arm_with_the_perfect_clip_decision_at_k0(tmp_pa
 
 
 def test_dose_report_pairs_the_k_free_default_with_vanilla_at_every_k(tmp_path):
-    """strength=decision (the default, here implied by enabled alone) trains the same at any k: one run per seed is
+    """strength=decision trains the same at any k: one run per seed is
     paired with vanilla at k = 1 and at k = 8; a full-strength arm, whose bounds follow k, is not."""
     from megatron_rl.study.dose import write_dose_report
 
     arms = [{"name": "hp", "overrides": {}},
             {"name": "fp8", "overrides": {"precision.recipe": "blockwise"}},
             {"name": "fp8_k8", "overrides": {"precision.recipe": "blockwise", "algo.experimental.clip_error_scale": 8.0}},
-            {"name": "fp8_default", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True}},
+            {"name": "fp8_default", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True,
+                                                  "algo.calibration.strength": "decision"}},
             {"name": "fp8_full", "overrides": {"precision.recipe": "blockwise", "algo.calibration.enabled": True,
                                                "algo.calibration.strength": "full"}}]
     study = load_study(_spec(tmp_path, arms=arms, seeds=[1, 2]))
@@ -555,8 +556,8 @@ def test_dose_report_pairs_the_k_free_default_with_vanilla_at_every_k(tmp_path):
     rows = {tuple(c.strip() for c in ln.split("|")[1:3]): [c.strip() for c in ln.split("|")[3:-1]]
             for ln in text.splitlines() if ln.startswith("| ") and " - " in ln.split("|")[1]}
     metric = "held-out accuracy after RL (points)"
-    assert rows[("calibrated k=1 - vanilla", metric)][6] == "-5.00 +5.00"
-    assert rows[("calibrated (any k) - vanilla k=8", metric)][6] == "+20.00 +15.00"
+    assert rows[("calibrated, strength=decision k=1 - vanilla", metric)][6] == "-5.00 +5.00"
+    assert rows[("calibrated, strength=decision (any k) - vanilla k=8", metric)][6] == "+20.00 +15.00"
     assert not any("strength=full (any k)" in pair for pair, _ in rows)
     assert rows[("calibrated, strength=full k=1 - vanilla", metric)][6] == "-15.00 -15.00"
 

@@ -14,10 +14,10 @@ over `group` (one collective round, every rank of the group calls it); if they h
 sums (a calibration event), take that event's targets; if they hold FP8 statistics and targets exist,
 solve L and H. Under strength=full the solved bounds are held: with `smooth`, new = smoothing * held +
 (1 - smoothing) * solved (the first solve of a run is taken as is); without, the solved bounds themselves.
-Under strength=decision (the default) no bound moves: the bounds stay vanilla and the loop decides every
+Under strength=decision no bound moves: the bounds stay vanilla and the loop decides every
 clip on high-precision ratios (`decides_on_high_precision`, phases/error_scale.py); the events still
 measure the targets and how much more the low-precision ratios clip (`calib/gate_ratio`). Under
-strength=targeted the bounds stay vanilla too and only the targeted answers are decided in high precision
+strength=targeted (the default) the bounds stay vanilla too and only the targeted answers are decided in high precision
 (`targeted_fraction`); no event runs (CalibrationPlan), so nothing is solved or measured.
 The solve's `quantile` says whom the bounds are for: the tokens solved on (per_calibration's event,
 per_minibatch's pre-pass) or the next step's (per_step, which re-solves every step).

@@ -53,7 +53,7 @@ class PolicyLossConfig(StrictConfig):
     """Ratio that decides which tokens the clip zeroes: learner (its own forward's) or high_precision (high-precision forwards of pi_old and of every update's policy, paid every step). The learner's forward still gives loss and gradient."""
 
 
-_REMOVED_RULE = "delete it and set algo.calibration.strength to decision (the default) or full"
+_REMOVED_RULE = "delete it and set algo.calibration.strength to targeted (the default), decision or full"
 REMOVED_CALIBRATION_FIELDS: dict[str, tuple[object, str]] = {
     # field: (the value whose behaviour the code keeps, or None where only a removed rule read it; what to do instead)
     "gate_opens_to": (None, _REMOVED_RULE),
@@ -79,7 +79,7 @@ REMOVED_CALIBRATION_FIELDS: dict[str, tuple[object, str]] = {
 }
 """Removed algo.calibration fields: a config that sets one is refused with its line here."""
 REMOVED_STRENGTHS = ("gated", "excess")
-"""Removed algo.calibration.strength values (refused, naming decision and full)."""
+"""Removed algo.calibration.strength values (refused, naming the ones that remain)."""
 
 
 class CalibrationConfig(StrictConfig):
@@ -87,8 +87,8 @@ class CalibrationConfig(StrictConfig):
 
     enabled: bool = False
     """Turn Calibrated Clipping on; off, the bounds are 1 - eps_low and 1 + eps_high."""
-    strength: Literal["full", "decision", "targeted"] = "decision"
-    """full: the paper's solved bounds; decision: vanilla bounds, every clip decided on the high-precision ratio (high-precision forwards every step); targeted: as decision on the targeted_fraction of answers with the most FP8 entropy, the FP8 ratio elsewhere."""
+    strength: Literal["full", "decision", "targeted"] = "targeted"
+    """targeted: vanilla bounds, clips of the targeted_fraction of answers where engine and FP8 learner log-probs disagree most decided on the high-precision ratio; decision: every clip so (high-precision forwards of every row, every step); full: the paper's solved bounds."""
     upper: Literal["match_contribution", "log_scale", "fixed"] = "match_contribution"
     """Upper-bound rule under strength=full: match_contribution (the paper), log_scale, or fixed (1 + eps_high)."""
     calibrate_every: PositiveInt = 5
@@ -104,7 +104,7 @@ class CalibrationConfig(StrictConfig):
     backend: Literal["allgather", "histogram"] = "allgather"
     """Distributed statistics: allgather (exact unless subsampled) or histogram (one all-reduce of 8192 bin counts)."""
     targeted_fraction: float = Field(0.1, gt=0, le=1, allow_inf_nan=False)
-    """strength=targeted: fraction in (0, 1] of each step's off-policy answers decided in high precision, those whose FP8 pi_old entropy summed over the answer is largest."""
+    """strength=targeted: fraction in (0, 1] of each step's off-policy answers decided in high precision, those whose |engine - FP8 learner pi_old log-prob| summed over the answer is largest."""
     lower_min: float = Field(0.05, gt=0, le=1, allow_inf_nan=False)
     """Clamp in (0, 1]: smallest allowed calibrated lower bound L."""
     upper_max: float = Field(10.0, ge=1, allow_inf_nan=False)
@@ -125,7 +125,7 @@ class CalibrationConfig(StrictConfig):
     def _removed_strengths(cls, value: object) -> object:
         if value in REMOVED_STRENGTHS:
             raise ValueError(f"algo.calibration.strength={value} was removed: set algo.calibration.strength to "
-                             "decision (the default) or full")
+                             "targeted (the default), decision or full")
         return value
 
     @field_validator("bounds_update", mode="before")

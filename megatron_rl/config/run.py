@@ -118,7 +118,7 @@ def config_errors(cfg: RunConfig, dp_size: int, sft: bool = True, layout: bool =
             out.append(f"{p} changes the PPO clip decision; algo.policy_loss.name={a.policy_loss.name} has none (ppo or dual_clip)")
         if a.calibration.enabled:
             out.append(f"{p} already clips what high precision clips, token by token; algo.calibration.enabled would "
-                       "calibrate on top of it (turn one of them off: algo.calibration.strength=decision, its default, is "
+                       "calibrate on top of it (turn one of them off: algo.calibration.strength=decision is "
                        "this decision with the calibration's measurements beside it)")
         if a.experimental.clip_error_scale != 1.0:
             out.append(f"{p} and algo.experimental.clip_error_scale both set the clip decision (the instrument at 0 is this option)")

@@ -13,7 +13,7 @@ low-precision and the high-precision ratios of the same tokens and bounds. Off (
 a no-op and costs nothing.
 
 Under algo.calibration.strength=targeted (`with_targeted_rows`) only the step's targeted answers
-(algo/targeting.py: the off-policy rows with the most summed FP8 entropy of pi_old) run these forwards and decide at
+(algo/targeting.py: the off-policy rows whose engine and FP8 learner log-probs disagree most) run these forwards and decide at
 k = 0; every other row decides at the instrument's k (1 = its own FP8 ratio, bit for bit). With the instrument on
 (k != 1) every row still runs them, as the instrument needs the high-precision ratio of every token.
 """
@@ -27,7 +27,7 @@ from megatron_rl.algo import metrics as M
 from megatron_rl.algo.error_scale import error_scaled_ratio
 from megatron_rl.algo.losses import log_ratio
 from megatron_rl.algo.objective import default_bounds
-from megatron_rl.algo.targeting import targeted_rows
+from megatron_rl.algo.targeting import engine_gap, targeted_rows
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.phases.logprobs import current_logprobs_hp, shadow_old_logprobs
 from megatron_rl.types import TrainBatch
@@ -54,18 +54,21 @@ def active(algo: AlgoConfig, gate_open: bool = False) -> bool:
 
 
 def with_targeted_rows(batch: TrainBatch, clipper, gate_open: bool, on_policy_only_rows: Sequence[int] = ()) -> TrainBatch:
-    """strength=targeted: the step batch with `hp_decision_rows`, its targeted off-policy rows (every rank picks the
-    same from the gathered FP8 entropy of the log-prob phase) and the `on_policy_only_rows`, which only the on-policy
-    first update trains: their high-precision ratio is exactly 1 without any forward (the decision's too); unchanged
-    otherwise."""
+    """strength=targeted: the step batch with `hp_decision_rows`, its targeted off-policy rows (the answers where the
+    rollout engine's and the learner's FP8 pi_old log-probs disagree most; every rank holds the global batch and picks
+    the same) and the `on_policy_only_rows`, which only the on-policy first update trains: their high-precision ratio
+    is exactly 1 without any forward (the decision's too); unchanged otherwise."""
     fraction = clipper.targeted_fraction() if gate_open else None
     if fraction is None:
         return batch
-    if batch.old_entropy is None:
-        raise ValueError("algo.calibration.strength=targeted ranks answers by pi_old's entropy: run the log-prob phase first")
+    if batch.old_logprobs is None:
+        raise ValueError("algo.calibration.strength=targeted ranks answers by pi_old's log-probs: run the log-prob phase first")
+    if batch.rollout_logprobs is None:
+        raise ValueError("algo.calibration.strength=targeted ranks answers by the engine's log-probs against the learner's; "
+                         "this step batch carries no rollout log-probs")
     skip = set(on_policy_only_rows)
     candidates = [i for i in range(batch.batch_size) if i not in skip]
-    rows = targeted_rows(batch.old_entropy, batch.loss_mask, candidates, fraction)
+    rows = targeted_rows(engine_gap(batch.rollout_logprobs, batch.old_logprobs), batch.loss_mask, candidates, fraction)
     rows[list(skip)] = True
     return batch.with_fields(hp_decision_rows=rows)
 

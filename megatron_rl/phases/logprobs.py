@@ -115,7 +115,7 @@ def old_logprobs(learner, batch: TrainBatch, micro_batch_size: int, *, plan: Opt
                          "micro-batches the updates train on: scales are recorded per micro-batch)")
     with kv_cache.measuring() if kv_cache is not None else nullcontext(), book.recording():
         lp, ent = _global_forward(learner, batch, micro_batch_size, row_groups)
-    changes = {"old_logprobs": lp, "old_entropy": ent}
+    changes = {"old_logprobs": lp}
     mask = batch.loss_mask > 0
     metrics = {"entropy_old": float(ent[mask].mean()) if mask.any() else float("nan")}
     if kv_cache is not None:

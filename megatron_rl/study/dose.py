@@ -13,7 +13,7 @@ the runs of one seed share the warm start and the first rollouts, so the paired 
 seed spread the arms have in common; its mean comes with a bootstrap 95% interval and a sign-flip p-value (numpy; the
 project has no scipy). An arm at k = 0 (the clip decided on the high-precision ratio: a perfect clip decision with the
 arm's own gradients) is the ceiling of every clip rule, so every arm is also paired with it; dose.png draws it as a
-level. An arm whose every clip is decided on the high-precision ratio (strength=decision, the default) trains the same
+level. An arm whose every clip is decided on the high-precision ratio (strength=decision) trains the same
 at any k, so it is also paired with vanilla at every other k. Pure reading of finished runs: nothing is trained here.
 """
 from __future__ import annotations

@@ -173,6 +173,9 @@ def summary_rows(rows: Sequence[dict], eval_before: float, eval_after: float, wa
         at = next(i for i, (label, _) in enumerate(out) if label.startswith("calibrated L / H")) + 1
         out.insert(at, ("clip decided on high-precision ratios (vanilla bounds)",
                         f"{len(on)} of {len(decided)} steps" + (f", first at step {on[0]}" if on else "")))
+    if any("calib/targeted_token_share" in r for r in rows):  # strength=targeted: how much of the batch it decided
+        at = next(i for i, (label, _) in enumerate(out) if label.startswith("clip decided on high-precision")) + 1
+        out.insert(at, ("off-policy answer tokens decided so (targeted, mean)", fmt(mean_of(rows, "calib/targeted_token_share"))))
     if plots:
         stems = [Path(p).stem for p in plots]
         names = stems[0] if len(stems) == 1 else "{" + ",".join(stems) + "}"

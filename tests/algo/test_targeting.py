@@ -1,4 +1,4 @@
-"""algo/targeting.py: the targeted decision picks the candidate answers with the most summed entropy."""
+"""algo/targeting.py: the targeted decision picks the candidate answers with the largest summed engine-vs-learner gap."""
 from __future__ import annotations
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.algo.targeting import targeted_rows
+from megatron_rl.algo.targeting import engine_gap, targeted_rows
 
 
-def test_picks_the_answers_with_most_summed_entropy_among_candidates():
+def test_picks_the_answers_with_the_largest_summed_score_among_candidates():
     ent = torch.tensor([[0.0, 0.0, 0.0], [0.5, 0.5, 9.0], [0.3, 0.3, 0.3], [0.1, 0.1, 0.1], [2.0, 2.0, 2.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]], dtype=torch.float32)
     # row 4 has the most but is no candidate (trained on-policy only); row 1's 9.0 sits off its answer
@@ -44,3 +44,14 @@ def test_picked_rows_outscore_the_rest(b, fraction, seed):
     picked, rest = score[rows], score[[i for i in cand if not rows[i]]]
     if picked.numel() and rest.numel():
         assert float(picked.min()) >= float(rest.max())
+
+
+def test_the_engine_gap_is_absolute_per_token_and_ranks_the_disagreeing_answer_first():
+    old = torch.tensor([[-0.1, -0.2, -0.3], [-0.1, -0.2, -0.3], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+    engine = old.clone().float()
+    engine[0, 1] += 0.5   # the engine is more sure of one token of answer 0
+    engine[1, 0] -= 0.2   # and less sure of one of answer 1
+    gap = engine_gap(engine, old)
+    assert gap.dtype == torch.float32 and gap.device == old.device
+    assert torch.allclose(gap[0], torch.tensor([0.0, 0.5, 0.0])) and torch.allclose(gap[1], torch.tensor([0.2, 0.0, 0.0]))
+    assert targeted_rows(gap, torch.ones(3, 3), [0, 1, 2], 0.34).tolist() == [True, False, False]

@@ -176,7 +176,7 @@ def _tokens_by_update(run_dir: Path) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("layout", [
     ("train.micro_batch_size=4",),
     ("train.micro_batch_size=8", "parallel.pipeline_model_parallel_size=2"),
-], ids=["calibration_default_dp2", "calibration_default_pp2"])
+], ids=["decision_dp2", "decision_pp2"])
 def test_high_precision_clip_decision_under_dp2_and_pp2(decision_single, tmp_path, layout):
     """strength=decision with DP=2 or PP=2: every DP rank forwards its shard of pi_old and of each update's policy in high
     precision and the rows are gathered back in place (PP: the last stage's log-probs reach every stage like pi_old's).
@@ -200,3 +200,19 @@ def test_high_precision_clip_decision_under_dp2_and_pp2(decision_single, tmp_pat
         far = np.abs(log_ref - bound) > NEAR_BOUND
         assert np.array_equal(clipped(log_ref)[far], clipped(log_got)[far]), f"{name} clip decisions differ"
     assert ((log_ref < lower) & (ref["adv"] < 0)).any()  # the decisions compared include clipped tokens
+
+
+def test_the_targeted_decision_picks_the_same_answers_under_dp2(tmp_path_factory, tmp_path):
+    """strength=targeted (the default) with DP=2: each rank holds half the answers, but the entropy it ranks them by is
+    gathered first, so both ranks decide the same answers in high precision as the single process does (the same share
+    of the off-policy tokens) and the step's clip fractions, low- and high-precision, are the single process's."""
+    warm = warm_start(tmp_path_factory)
+    targeted = ("train.steps=1", "algo.calibration.enabled=true", "algo.calibration.strength=targeted",  # tiny_overrides: full
+                "algo.calibration.targeted_fraction=0.25",
+                "train.micro_batch_size=4")
+    single = train(tmp_path / "single", tiny_overrides(warm, *targeted))
+    parallel = train(tmp_path / "dp2", tiny_overrides(warm, *targeted, "rollout.weight_sync.transport=tensor"), nproc=2)
+    assert 0 < single[0]["calib/targeted_token_share"] < 0.6
+    assert parallel[0]["calib/targeted_token_share"] == single[0]["calib/targeted_token_share"]
+    for key in ("clipfrac", "experimental/hp_clipfrac", "experimental/lp_clipfrac"):
+        assert parallel[0][key] == pytest.approx(single[0][key], abs=0.02), key
