@@ -269,6 +269,8 @@ def test_the_high_precision_forwards_follow_the_calibration_rule():
     grpo = ["train.num_minibatches=2", "train.ppo_epochs=1", "algo.calibration.enabled=true"]
     decision, full = _plan([*grpo, "algo.calibration.strength=decision"]), _plan([*grpo, "algo.calibration.strength=full"])
     targeted = _plan(grpo)  # the default
+    assert targeted.calibration_bytes_per_step == 0 == targeted.calibration_bytes_per_calibration_step  # no solve
+    assert decision.calibration_bytes_per_step > 0
     assert targeted.flops.shadow == pytest.approx(0.1 * decision.flops.shadow)
     assert full.step_time.learner < targeted.step_time.learner < decision.step_time.learner
     off, hp = _plan([*grpo, "algo.calibration.enabled=false"]), _plan([*grpo, "precision.recipe=none"])

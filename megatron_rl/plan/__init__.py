@@ -262,7 +262,7 @@ def make_plan(cfg, nodes: int, gpus_per_node: int, gpu: str = "h100", options: O
     payload = throughput.weight_sync_bytes(arch, fp8_rollout)
     calib = cfg.algo.calibration
     calib_step, calib_per_step = 0, 0.0
-    if calib.enabled:
+    if calib.enabled and calib.strength != "targeted":  # targeted runs no event and no solve: nothing to reduce
         tokens_per_rank = int(samples * seq_len / t.num_minibatches / (dp * lay.cp))
         off_policy = t.num_minibatches * t.ppo_epochs - 1
         from megatron_rl.algo.calibration import HIST_BINS, HIST_LOG_MAX, HIST_LOG_MIN, MAX_SAMPLES_PER_RANK
