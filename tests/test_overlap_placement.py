@@ -287,7 +287,8 @@ def test_the_loss_adds_stale_tokens_with_their_correction_weight():
     from megatron_rl.phases.loss import CalibrationTap, RLLoss, correction_weight
     from megatron_rl.types import TrainBatch
 
-    cfg = load_config(CONFIG, ["rollout.overlap=one_step_off"])
+    # a rule that gathers ratio statistics (decision's per-step solve; the default targeted gathers none)
+    cfg = load_config(CONFIG, ["rollout.overlap=one_step_off", "algo.calibration.strength=decision"])
     g = torch.Generator().manual_seed(1)
     B, S = 4, 6
     mask = torch.ones(B, S)
