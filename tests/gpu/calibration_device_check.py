@@ -23,6 +23,9 @@ Checks (each reported on its own; an exception fails that check only):
   calibration step and an ordinary one, per_step, per_calibration and per_minibatch: finite loss, calibrated bounds that
   moved off 1 -/+ eps, the ratio dumps of the calibration steps written and matching their logged solves
   (exactly for allgather, within a bin for histogram).
+- train_targeted: the default strength=targeted's phases on the device: rows ranked by the engine-vs-learner log-prob
+  gap, the decision's high-precision pi_old forward on a quarter of the off-policy rows; the rows, the log-probs and
+  the metric on the device, a targeted token share in (0, 0.5).
 """
 from __future__ import annotations
 
@@ -90,8 +93,9 @@ def loss_path(backend: str) -> None:
     from megatron_rl.config.train import TrainConfig
     from megatron_rl.phases.loss import CalibrationTap, RLLoss
 
-    algo = AlgoConfig.model_validate({"calibration": {"enabled": True, "backend": backend, "calibrate_every": 1,
-                                                      "shadow_fraction": 0.5, "smoothing": 0.0}})
+    # strength=full: an event step whose shadow statistics are solved (the default targeted gathers none)
+    algo = AlgoConfig.model_validate({"calibration": {"enabled": True, "strength": "full", "backend": backend,
+                                                      "calibrate_every": 1, "shadow_fraction": 0.5, "smoothing": 0.0}})
     plan = CalibrationPlan.build(0, algo.calibration, TrainConfig(num_minibatches=2), batch_size=24)
     results = {}
     for key, dev in (("dev", torch.device(DEVICE)), ("cpu", torch.device("cpu"))):
@@ -171,6 +175,35 @@ def train_steps() -> None:
                       dumps_checked=checked, bounds=[(r["calib/lower"], r["calib/upper"]) for r in rows_out])
 
             guarded(name, one)
+
+    def targeted():
+        """The default rule's phases on the device (gate open, as an FP8 learner's step opens it): the
+        engine-vs-learner gap ranks the rows, the decision's high-precision forwards run on them and the clip decision
+        uses their high-precision ratios; everything stays on the device."""
+        from megatron_rl.phases import batching, error_scale
+
+        cfg = load_config(ROOT / "examples" / "configs" / "tiny_fp8_grpo.yaml",
+                          [*base[:2], "train.micro_batch_size=8", "train.num_minibatches=2", "algo.calibration.enabled=true",
+                           "algo.calibration.strength=targeted", "algo.calibration.targeted_fraction=0.25"])
+        learner = Learner(cfg.model, cfg.parallel, cfg.optim, cfg.precision, vocab_size=vocab, seed=cfg.train.seed,
+                          total_steps=cfg.train.optimizer_steps)
+        dev = next(learner.model[0].parameters()).device
+        from megatron_rl.phases.logprobs import _global_forward
+
+        old, _ = _global_forward(learner, batch, 8)
+        g_engine = torch.Generator().manual_seed(1)
+        engine = old + (0.1 * torch.rand(old.shape, generator=g_engine)).to(old.device) * mask.to(old.device)
+        step_batch = batch.with_fields(old_logprobs=old, rollout_logprobs=engine)
+        skip = batching.on_policy_only_rows(rows, 2, 1, cfg.train.seed, 0)
+        step_batch = error_scale.with_targeted_rows(step_batch, make_clipper(cfg), True, skip)
+        share = error_scale.targeted_metrics(step_batch, skip)["calib/targeted_token_share"]
+        step_batch = error_scale.with_old_logprobs_hp(learner, step_batch, 8, cfg.algo, gate_open=True,
+                                                      on_policy_only_rows=skip)
+        devices = {t.device.type for t in (step_batch.hp_decision_rows, step_batch.old_logprobs_hp)}
+        check("train_targeted", devices == {dev.type} == {DEVICE} and 0 < share < 0.5, devices=sorted(devices),
+              targeted_token_share=share, rows=int(step_batch.hp_decision_rows.sum()))
+
+    guarded("train_targeted", targeted)
 
 
 def main(argv: list[str]) -> int:
