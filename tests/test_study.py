@@ -399,7 +399,8 @@ def test_smoke_study_runs_resumes_and_skips(tmp_path):
                             "train.micro_batch_size": 4},
                  arms=[{"name": "mxfp4", "overrides": {"precision.recipe": "mxfp4"}},
                        {"name": "nvfp4_calib", "overrides": {
-                           "precision.recipe": "nvfp4", "algo.calibration.enabled": True, "algo.calibration.calibrate_every": 1}}])
+                           "precision.recipe": "nvfp4", "algo.calibration.enabled": True, "algo.calibration.strength": "full",
+                           "algo.calibration.calibrate_every": 1}}])
     cmd = [sys.executable, str(REPO / "tools" / "experiment.py"), str(spec)]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
