@@ -267,16 +267,17 @@ def test_the_high_precision_forwards_follow_the_calibration_rule():
     assert high_precision_forwards(2, 1) == 1.0 and high_precision_forwards(4, 1) == 0.75 + 0.75
     assert high_precision_forwards(2, 2) == 1.0 + 1.5  # with a second epoch every row is trained off-policy
     grpo = ["train.num_minibatches=2", "train.ppo_epochs=1", "algo.calibration.enabled=true"]
-    decision, full = _plan([*grpo, "algo.calibration.strength=decision"]), _plan([*grpo, "algo.calibration.strength=full"])
+    paper = [*grpo, "algo.calibration.strength=full", "algo.calibration.calibrate_every=20"]
+    decision, full = _plan([*grpo, "algo.calibration.strength=decision"]), _plan(paper)
     targeted = _plan(grpo)  # the default
     assert targeted.calibration_bytes_per_step == 0 == targeted.calibration_bytes_per_calibration_step  # no solve
     assert decision.calibration_bytes_per_step > 0
     assert targeted.flops.shadow == pytest.approx(0.1 * decision.flops.shadow)
     assert full.step_time.learner < targeted.step_time.learner < decision.step_time.learner
-    off, hp = _plan([*grpo, "algo.calibration.enabled=false"]), _plan([*grpo, "precision.recipe=none"])
+    off, hp = _plan([*grpo, "algo.calibration.enabled=false"]), _plan([*paper, "precision.recipe=none"])
     forward = decision.flops.forward_only  # one forward of the step's tokens (no KL reference in this config)
     assert decision.flops.shadow == pytest.approx(forward)
-    assert full.flops.shadow == pytest.approx(forward / 20)  # calibrate_every 20 in the config, shadow on every row
+    assert full.flops.shadow == pytest.approx(forward / 20)  # calibrate_every 20, shadow on every row
     assert off.flops.shadow == 0
     assert hp.flops.shadow == pytest.approx(full.flops.shadow)  # high precision: its events' shadow only, no decision
     assert off.step_time.learner < full.step_time.learner < decision.step_time.learner
@@ -293,11 +294,11 @@ def test_plan_reports_the_calibration_cost_and_warns_when_it_outruns_bf16():
     assert decision["calibration-cost"].level == "info" and "% of the" in decision["calibration-cost"].message
     warning = decision["calibration-slower-than-bf16"]
     assert warning.level == "warning" and "algo.calibration.enabled=false" in warning.message
-    full = codes(_plan(["algo.calibration.enabled=true", "algo.calibration.strength=full"]))
+    full = codes(_plan(["algo.calibration.enabled=true", "algo.calibration.strength=full", "algo.calibration.calibrate_every=20"]))
     assert "calibration-cost" in full and "calibration-slower-than-bf16" not in full
-    targeted = codes(_plan(["algo.calibration.enabled=true"]))  # the default rule: +4.5% of the learner, no warning
+    targeted = codes(_plan())  # the shipped config: the default rule, +4.5% of the learner, no warning
     assert "calibration-cost" in targeted and "calibration-slower-than-bf16" not in targeted
-    assert not {"calibration-cost", "calibration-slower-than-bf16"} & set(codes(_plan()))
+    assert not {"calibration-cost", "calibration-slower-than-bf16"} & set(codes(_plan(["algo.calibration.enabled=false"])))
     # the split's BF16 learner runs no high-precision forward beyond its own: nothing to report
     split = codes(_plan(config="qwen3_8b_bf16_learner_fp8_rollout_grpo.yaml"))
     assert "calibration-slower-than-bf16" not in split

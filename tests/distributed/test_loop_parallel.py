@@ -130,8 +130,11 @@ def test_pp2_matches_single_process_and_resumes_calibrated(single, tmp_path):
     assert check_run_dumps(run_dir, rows, ranks=1, eps_low=0.2, eps_high=0.2, relax_only=False, **SPEC) == [0, 1, 2]
 
 
+EPS = 0.05
+"""The decision tests' clip range: narrow, so that one off-policy update clips tokens on every CPU's kernels (at 0.2
+the step-0 update of ATen's plain path clipped none, and the comparison would be about two zeros)."""
 DECISION = ("train.steps=1", "algo.calibration.enabled=true", "algo.calibration.strength=decision",
-            "tracking.dump_ratios=true")
+            f"algo.policy_loss.eps_low={EPS}", f"algo.policy_loss.eps_high={EPS}", "tracking.dump_ratios=true")
 """Calibration's strength=decision, with its events beside it. The other route to the same clip decision,
 algo.policy_loss.clip_decision=high_precision, forwards and gathers through the same phases/error_scale functions (the
 config only sets their k to 0: tests/test_experimental_instrument.py), and runs through the loop in one process in
@@ -194,7 +197,7 @@ def test_high_precision_clip_decision_under_dp2_and_pp2(decision_single, tmp_pat
     assert np.array_equal(ref["adv"], got["adv"])  # the same rollouts and tokens, in the same order
     np.testing.assert_allclose(got["ratio_hp"], ref["ratio_hp"], rtol=1e-5, atol=0)
     log_ref, log_got = np.log(ref["ratio_hp"]), np.log(got["ratio_hp"])
-    lower, upper = math.log(0.8), math.log(1.2)
+    lower, upper = math.log(1 - EPS), math.log(1 + EPS)
     for name, bound, clipped in (("lower", lower, lambda lr: (lr < lower) & (ref["adv"] < 0)),
                                  ("upper", upper, lambda lr: (lr > upper) & (ref["adv"] > 0))):
         far = np.abs(log_ref - bound) > NEAR_BOUND
