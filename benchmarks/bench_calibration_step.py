@@ -1,4 +1,4 @@
-"""What Calibrated Clipping costs per RL step: off vs decision (default) vs the bound-moving rules, side by side.
+"""What Calibrated Clipping costs per RL step: off vs targeted (the default) vs decision vs the bound-moving rules, side by side.
 
     python benchmarks/bench_calibration_step.py [--rows 64] [--seq 32] [--micro-batch-size 16]
         [--minibatches 2] [--reps 5] [--recipe blockwise] [--no-world2] [--config examples/configs/tiny_fp8_grpo.yaml]
@@ -9,11 +9,11 @@ examples/configs (default tiny_fp8_grpo.yaml: blockwise FP8 emulation, TIS on) a
 batch (random tokens and per-sequence advantages, rollout log-probs = the policy's own +- noise), for:
 
     off                 calibration disabled (plain PPO clip at 1 -/+ eps): vanilla low precision
-    decision            the default (strength=decision): every clip decided on its high-precision ratio, so every
+    decision            strength=decision: every clip decided on its high-precision ratio, so every
                         step forwards pi_old in high precision on the rows an off-policy update trains and the
                         current policy before every off-policy update; calibration events only measure
-    targeted            strength=targeted: the decision's forwards for the targeted_fraction (0.1) of off-policy
-                        rows with the most summed FP8 entropy of pi_old only
+    targeted            strength=targeted (the default): the decision's forwards for the targeted_fraction (0.1) of
+                        off-policy rows whose rollout and FP8 pi_old log-probs disagree most, summed over the row
     per_step            strength=full (the paper's bounds) with bounds_update=per_step: shadow forwards on
                         calibration steps (shadow_fraction 0.5), and on every step one pooled solve over the FP8
                         ratios the training forwards computed (no extra forward)

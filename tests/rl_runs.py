@@ -75,7 +75,7 @@ def tiny_overrides(warm: Path, *extra: str) -> list[str]:
         "data.num_train_prompts=200", "data.num_eval_prompts=8", "train.eval_max_prompts=8",
         "train.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "train.micro_batch_size=4",
         # no plots: drawing them costs a few CPU-seconds a run; tests/test_loop.py draws them from a real run
-        # the full solve: these tests check what calibration does to the bounds, which the default strength=decision
+        # the full solve: these tests check what calibration does to the bounds, which strength=targeted or decision
         # never moves (tests/test_dose_instrument_run.py runs it; tests/test_loop_variants.py runs a closed gate)
         "algo.calibration.calibrate_every=1", "algo.calibration.strength=full",
         "tracking.progress_bar=false", "tracking.plots=false", *extra,
