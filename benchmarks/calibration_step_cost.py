@@ -7,10 +7,13 @@ every update, weight sync) of a frontier study's arms, interleaved round by roun
 
 Each round runs every arm (rotated order) as a short `megatron-rl train` from the study's shared warm start (made
 first when missing) in a scratch directory, one CPU thread per process like the study's runs. Per arm it prints the
-median over rounds of each run's median wall seconds per step (steps from --skip on: the first steps warm caches),
-of its learner seconds per step (time/logprobs + time/train: where calibration's forwards run) and its ratio to the
-first arm (vanilla FP8 by default), plus the load average before and after. Ratios, not seconds, are the result:
-absolute times move with the box's load, ratios between interleaved runs much less.
+median over rounds of each run's median per step (steps from --skip on: the first steps warm caches) of:
+wall seconds (time/step), learner wall seconds (time/logprobs + time/train: where calibration's forwards run), the
+trainer process's CPU seconds (cpu/step: learner, weight export and the rollout client; the engines are processes
+of their own) and the learner's CPU seconds (cpu/logprobs + cpu/train), and the whole run's CPU seconds with its
+engines (getrusage of the finished run: start-up included, the same for every arm), each as a ratio to the first
+arm (vanilla FP8 by default), plus the load average before and after. Ratios, not seconds, are the result, CPU
+ratios first: wall time moves with the box's load, a single-threaded process's CPU time much less.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -40,14 +44,26 @@ def run_overrides(study, arm: str, seed: int, steps: int, run_dir: Path, warm: l
     return [*out, f"train.steps={steps}", f"checkpoint.save_every={steps}", f"run_dir={json.dumps(str(run_dir))}"]
 
 
+MEASURES = ("cpu_step_s", "cpu_learner_s", "run_cpu_s", "step_s", "learner_s")
+"""What each run reports (see the module docstring), in the order printed."""
+
+
 def step_times(metrics: Path, skip: int) -> dict[str, float]:
-    """Median wall seconds per step and learner seconds per step over the steps from `skip` on."""
+    """Median wall and CPU seconds per step, whole and learner, over the steps from `skip` on."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("step", -1) >= skip and isinstance(r.get("time/step"), (int, float))]
     if not rows:
         raise RuntimeError(f"{metrics}: no step at or after {skip} logged a time/step")
     return {"step_s": statistics.median(r["time/step"] for r in rows),
-            "learner_s": statistics.median(r.get("time/logprobs", 0.0) + r.get("time/train", 0.0) for r in rows)}
+            "learner_s": statistics.median(r.get("time/logprobs", 0.0) + r.get("time/train", 0.0) for r in rows),
+            "cpu_step_s": statistics.median(r.get("cpu/step", math.nan) for r in rows),
+            "cpu_learner_s": statistics.median(r.get("cpu/logprobs", 0.0) + r.get("cpu/train", 0.0) for r in rows)}
+
+
+def children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished children (and theirs) so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -79,26 +95,30 @@ def main() -> None:
             for arm in order:
                 run_dir = Path(tmp) / f"{arm}_r{rnd}"
                 cmd = cli_command(study, "train", run_overrides(study, arm, args.seed, args.steps, run_dir, warm))
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), children_cpu_s()
                 proc = subprocess.run(cmd, env=child_env(study, arm), capture_output=True, text=True)
                 if proc.returncode != 0:
                     raise SystemExit(f"{arm} round {rnd} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
-                times[arm].append(step_times(run_dir / "metrics.jsonl", args.skip))
-                print(f"round {rnd + 1}/{args.rounds} {arm}: {times[arm][-1]['step_s']:.3f} s/step "
-                      f"(learner {times[arm][-1]['learner_s']:.3f}), run {time.perf_counter() - t0:.0f} s", flush=True)
+                times[arm].append({**step_times(run_dir / "metrics.jsonl", args.skip), "run_cpu_s": children_cpu_s() - cpu0})
+                t = times[arm][-1]
+                print(f"round {rnd + 1}/{args.rounds} {arm}: cpu {t['cpu_step_s']:.3f} s/step (learner "
+                      f"{t['cpu_learner_s']:.3f}), run cpu {t['run_cpu_s']:.0f} s; wall {t['step_s']:.3f} s/step "
+                      f"(learner {t['learner_s']:.3f}), run {time.perf_counter() - t0:.0f} s", flush=True)
     load_after = os.getloadavg()
     base = args.arms[0]
-    med = {a: {k: statistics.median(t[k] for t in times[a]) for k in ("step_s", "learner_s")} for a in args.arms}
+    med = {a: {k: statistics.median(t[k] for t in times[a]) for k in MEASURES} for a in args.arms}
     # ratio per round first (the runs of a round saw the same load), then the median over rounds
-    ratio = {a: {k: statistics.median(t[k] / b[k] for t, b in zip(times[a], times[base])) for k in ("step_s", "learner_s")}
+    ratio = {a: {k: statistics.median(t[k] / b[k] for t, b in zip(times[a], times[base])) for k in MEASURES}
              for a in args.arms}
     print(f"\n{args.spec}: {args.rounds} interleaved rounds of {args.steps} steps (median of steps >= {args.skip}), "
           f"seed {args.seed}, load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
-    print(f"{'arm':>34} {'s/step':>8} {'x ' + base:>22} {'learner s':>10} {'learner x':>10}")
+    print(f"seconds (x {base}, the median of the rounds' ratios)")
+    heads = {"cpu_step_s": "CPU s/step", "cpu_learner_s": "learner CPU s", "run_cpu_s": "run CPU s (+engines)",
+             "step_s": "wall s/step", "learner_s": "learner wall s"}
+    print(f"{'arm':>34} " + " ".join(f"{heads[k]:>22}" for k in MEASURES))
     for a in args.arms:
-        print(f"{a:>34} {med[a]['step_s']:>8.3f} {ratio[a]['step_s']:>22.3f} {med[a]['learner_s']:>10.3f} "
-              f"{ratio[a]['learner_s']:>10.3f}")
-    if any(not math.isfinite(ratio[a]["step_s"]) for a in args.arms):
+        print(f"{a:>34} " + " ".join(f"{med[a][k]:>12.3f} ({ratio[a][k]:5.3f}x)".rjust(22) for k in MEASURES))
+    if any(not math.isfinite(ratio[a][k]) for a in args.arms for k in MEASURES):
         raise SystemExit("a ratio is not finite")
 
 

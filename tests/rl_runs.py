@@ -28,8 +28,8 @@ from megatron_rl.rollout.processes import free_port
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = REPO_ROOT / "examples" / "configs" / "tiny_fp8_grpo.yaml"
 
-# Metrics that measure wall time (or depend on it), never compared between runs.
-TIMING_PREFIXES = ("time/", "rollout/time_s", "rollout/tokens_per_s", "sync/time_s", "sync/gb_per_s")
+# Metrics that measure wall or CPU time (or depend on it), never compared between runs.
+TIMING_PREFIXES = ("time/", "cpu/", "rollout/time_s", "rollout/tokens_per_s", "sync/time_s", "sync/gb_per_s")
 
 
 def cli_env() -> dict[str, str]:

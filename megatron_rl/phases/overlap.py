@@ -87,7 +87,8 @@ class RolloutSchedule:
             result, timings = self._future.result()
         self._future = None
         self.ready = (self._future_step, result)
-        return {f"overlap/{k.removeprefix('time/')}_s": v for k, v in timings.items() if k != "time/step"}
+        return {f"overlap/{k.removeprefix('time/')}_s": v for k, v in timings.items()
+                if k.startswith("time/") and k != "time/step"}
 
     def state_dict(self) -> dict[str, Any]:
         """The finished batch generated ahead, for the checkpoint after this step ({} when there is none)."""
