@@ -135,7 +135,8 @@ class CalibratedClipper:
             "calib/alpha_achieved": last.alpha_achieved if last is not None else math.nan,
             "calib/rho_achieved": last.rho_achieved if last is not None else math.nan,
             "calib/alpha_lp": self.alpha_lp,
-            **({} if not self.decides_on_high_precision() else {
+            # only decision's calibration events measure the distortion; targeted runs none
+            **({} if self.cfg.strength != "decision" else {
                 "calib/gate_ratio": gate_ratio(*self.gate_counts), "calib/gate_hp_tokens": self.gate_counts[0]}),
         }
 

@@ -176,7 +176,7 @@ def test_alpha_zero_keeps_a_lower_trust_region(backend):
 def test_decision_counts_every_event_once_keeps_vanilla_bounds_and_resumes_with_the_counts():
     """strength=decision: the bounds stay 1 -/+ eps while every event adds its shadow tokens' high- and low-precision
     counts below 1 - eps_low to the run's totals, whose clip-fraction ratio is logged (calib/gate_ratio) and survives
-    a resume; strength=full solves the same and moves its bounds, logging no such ratio."""
+    a resume; strength=full solves the same and moves its bounds, logging no such ratio, and targeted logs none either."""
     g = torch.Generator().manual_seed(7)
 
     def batch(n, noise):
@@ -207,6 +207,8 @@ def test_decision_counts_every_event_once_keeps_vanilla_bounds_and_resumes_with_
         assert clipper.decides_on_high_precision() and not full.decides_on_high_precision()
     assert (full.lower, full.upper) != (clipper.lower, clipper.upper)
     assert "calib/gate_ratio" not in full.metrics()
+    # targeted (the default) runs no calibration event, so it has no distortion to report
+    assert "calib/gate_ratio" not in CalibratedClipper(CalibrationConfig(enabled=True), eps_low=0.2, eps_high=0.2).metrics()
     resumed = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
     resumed.load_state_dict(clipper.state_dict())
     for c in (clipper, resumed):
