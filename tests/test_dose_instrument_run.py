@@ -73,9 +73,9 @@ def test_a_high_precision_clip_decision_through_the_loop(high_precision_decision
 
 @pytest.mark.slow
 @pytest.mark.trajectory
-def test_the_default_decision_rule_through_the_loop_is_the_high_precision_clip_decision(tmp_path_factory, tmp_path,
-                                                                                         high_precision_decision_run):
-    """algo.calibration.strength=decision (the default; NVFP4, a calibration event every step): every step from the
+def test_the_decision_rule_through_the_loop_is_the_high_precision_clip_decision(tmp_path_factory, tmp_path,
+                                                                                 high_precision_decision_run):
+    """algo.calibration.strength=decision (NVFP4, a calibration event every step): every step from the
     first decides its clips on high-precision ratios at 1 -/+ eps, and the run trains exactly as
     algo.policy_loss.clip_decision=high_precision without calibration: the events only measure (the same loss, clip
     fractions, rewards and held-out accuracy, step by step), while they log the learner's own distortion."""
