@@ -1,8 +1,8 @@
 """Per-phase timers of the loop (`with timers("rollout"): ...`): wall seconds and this process's CPU seconds.
 
 Wall time measures what a user waits for but moves with everything else the machine runs; the process's CPU time
-(all its threads; rollout engines are processes of their own) moves much less with load, so side-by-side cost
-comparisons on a shared box read `cpu/*` (benchmarks/calibration_step_cost.py)."""
+(all its threads; rollout engines are processes of their own) moves less with load, though not nothing on a
+shared core, so side-by-side cost comparisons read `cpu/*` beside `time/*` (benchmarks/calibration_step_cost.py)."""
 from __future__ import annotations
 
 import contextlib
